@@ -12,7 +12,7 @@ into the woken engine, repeat. The alternative -- a separate `vllm serve` on its
 training GPUs idle while the server generates and the server's GPUs idle while the trainer trains.
 This is the idea behind TRL's `vllm_mode="colocate"` (TRL v0.18), written out as one readable script.
 
-One step (see `main`):
+One step (see `train`):
   1. each rank takes its own prompts, N = per_device_train_batch_size * gradient_accumulation_steps
      / num_generations of them (`prompts_for_step`);
   2. wake vLLM's weight memory, stream the trained ZeRO-3 parameters into it one at a time, wake the KV
@@ -48,24 +48,22 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import inspect
 import json
+import logging
 import math
 import os
 import random
 import re
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
-# Must be set before vLLM/torch allocate anything. external_launcher runs the engine in this process.
+# Read by vLLM at import time (external_launcher runs the engine in this process). Override from the shell.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import logging
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -151,7 +149,7 @@ class Config:
     vllm_max_num_batched_tokens: int = 4096
     """vLLM scheduler token budget; modest so start-up memory profiling leaves room for training"""
     vllm_enforce_eager: bool = False
-    """disable CUDA graphs (slower generation, faster start-up)"""
+    """disable CUDA graphs and compilation (slower generation, faster start-up); always on for CPU"""
     vllm_cpu_kv_cache_gib: float = 0.5
     """KV cache size on CPU, where gpu_memory_utilization does not apply"""
     # --- trainer, saving, logging
@@ -166,7 +164,7 @@ class Config:
     save_steps: int = 0
     """also save an HF folder every this many steps; 0 = only at the end"""
     debug_weight_sync_fault: str = "none"
-    """tests only: none | skip_push | reload_from_disk (reproduces TRL #5312) to prove the sync check fires"""
+    """tests only: none, skip_push, or reload_from_disk (TRL #5312's bug) to prove the sync check fires"""
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -186,7 +184,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 class ConfigError(ValueError):
-    """Bad input: reported once, and every rank exits with status 2."""
+    """Bad input: each rank prints the one-line message and exits with status 2."""
 
 
 # =====================================================================================================
@@ -513,7 +511,10 @@ def prepare_default_model(out_dir: str) -> str:
 def save_model(model, tokenizer, out_dir: str) -> None:
     """An HF folder (weights gathered from ZeRO-3 one parameter at a time, tokenizer, chat template)
     that transformers and vLLM both load. All ranks call this; rank 0 writes."""
-    state = {name: t.detach().to("cpu", copy=True) for name, t in gathered_params(model)}
+    state = {}
+    for name, tensor in gathered_params(model):  # every rank gathers; only rank 0 keeps a CPU copy
+        if RANK == 0:
+            state[name] = tensor.detach().to("cpu", copy=True)
     if RANK == 0:
         model.save_pretrained(out_dir, state_dict=state)
         tokenizer.save_pretrained(out_dir)
@@ -598,29 +599,139 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
     return pad(logps, batch_first=True), pad(ents, batch_first=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(argv)
-    on_gpu = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if on_gpu:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
-        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
-    world = dist.get_world_size()
-    try:
-        run(cfg, world, device)
-    except ConfigError as e:
-        print0(f"error: {e}")
-        sys.exit(2)
+@dataclass
+class Rollouts:
+    """This rank's samples, one row per completion; completion k of prompt i is row i*G + k, so the G
+    completions of a prompt (its group) are consecutive rows."""
+    prompts: list = field(default_factory=list)  # prompt token ids
+    completions: list = field(default_factory=list)  # sampled token ids (EOS included when sampled)
+    vllm_logps: list = field(default_factory=list)  # vLLM's log-prob of each sampled token
+    texts: list = field(default_factory=list)
+    answers: list = field(default_factory=list)
+    truncated: list = field(default_factory=list)  # cut at max_completion_length
 
 
-def run(cfg: Config, world: int, device: torch.device) -> None:
-    on_gpu = device.type == "cuda"
-    # ---- validate before anything heavy (every rank reaches the same verdict)
-    tp = cfg.vllm_tensor_parallel_size
-    tp_layout = tp_group_layout(world, tp)
-    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
+def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs) -> Rollouts:
+    r = Rollouts()
+    for ex, p, out in zip(examples, prompt_ids, outputs):
+        for o in out.outputs:  # the G samples of this prompt
+            r.prompts.append(p)
+            r.completions.append(list(o.token_ids))
+            r.vllm_logps.append([lp[tok].logprob for lp, tok in zip(o.logprobs, o.token_ids)])
+            r.texts.append(o.text)
+            r.answers.append(ex["answer"])
+            r.truncated.append(o.finish_reason == "length")
+    return r
+
+
+def score(r: Rollouts, names: list[str], weights: list[float]) -> tuple[torch.Tensor, dict]:
+    """Weighted total reward [B] and each reward function's values."""
+    per_func = {n: torch.tensor(REWARD_FUNCS[n](r.texts, r.answers), dtype=torch.float32) for n in names}
+    return sum(w * per_func[n] for n, w in zip(names, weights)), per_func
+
+
+def all_reduce_dict(d: dict, device, op=dist.ReduceOp.SUM) -> dict:
+    """One collective for a dict of floats."""
+    t = torch.tensor(list(d.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return dict(zip(d, t.tolist()))
+
+
+def global_std(x: torch.Tensor, device) -> torch.Tensor:
+    """Unbiased std of the values of x on all ranks together."""
+    s = all_reduce_dict({"n": x.numel(), "sum": x.sum().item(), "sq": (x.double() ** 2).sum().item()}, device)
+    var = (s["sq"] - s["sum"] ** 2 / s["n"]) / max(s["n"] - 1, 1)
+    return torch.tensor(max(var, 0.0) ** 0.5)
+
+
+def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: Config, device, pad_id: int,
+                      world: int) -> tuple[dict, dict]:
+    """num_iterations optimizer steps over the rollouts, each accumulating gradient_accumulation_steps
+    micro-batches. Returns this rank's sums and maxima for the step metrics."""
+    engine.train()
+    n, mb = len(r.completions), cfg.per_device_train_batch_size
+    micro = [slice(i, i + mb) for i in range(0, n, mb)]
+    lens = torch.tensor([len(c) for c in r.completions], device=device)
+    keep = torch.tensor([not (cfg.mask_truncated_completions and t) for t in r.truncated], device=device).float()
+    # Loss denominators: DeepSpeed averages gradients over ranks, and we sum over micro-batches
+    # (scale_wrt_gas=False below), so divide by the global token count / world (dapo), or by this rank's
+    # number of sequences (grpo, dr_grpo): the result is the loss of the whole global batch.
+    tokens_per_rank = max(all_reduce_dict({"t": (lens * keep).sum().item()}, device)["t"] / world, 1.0)
+
+    def logprobs(model, s):
+        return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id)
+
+    old_logps = None
+    if cfg.num_iterations > 1:  # the policy that sampled, frozen before the first update
+        with torch.no_grad():
+            old_logps = [logprobs(engine, s)[0] for s in micro]
+    sums = dict.fromkeys(["loss", "kl", "clip_ratio/low", "clip_ratio/high", "entropy", "logp_diff", "is_ratio",
+                          "tokens"], 0.0)
+    maxes = {"logp_diff_max": 0.0, "is_ratio_max": 0.0, "neg_is_ratio_min": -1.0}
+    for it in range(cfg.num_iterations):
+        for k, s in enumerate(micro):
+            logp, ent = logprobs(engine, s)  # [b, T]
+            T = logp.shape[1]
+            live = (torch.arange(T, device=device)[None] < lens[s, None]).float()  # real completion tokens
+            mask = live * keep[s, None]
+            vllm_logp = torch.nn.utils.rnn.pad_sequence(
+                [torch.tensor(v, dtype=torch.float32) for v in r.vllm_logps[s]], batch_first=True).to(device)
+            old = old_logps[k] if old_logps is not None else logp.detach()
+            isw = importance_weights(old, vllm_logp, cfg.vllm_importance_sampling_cap)
+            ref_logp = None
+            if ref is not None:
+                with torch.no_grad():
+                    ref_logp = logprobs(ref, s)[0]
+            loss, st = grpo_loss(logp, old, advantages[s].to(device), mask,
+                                 epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta,
+                                 ref_logp=ref_logp, is_weight=isw if cfg.vllm_importance_sampling_correction else None,
+                                 loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
+                                 num_sequences=n, num_tokens=tokens_per_rank)
+            engine.backward(loss, scale_wrt_gas=False)  # our denominators already account for accumulation
+            engine.step()  # DeepSpeed updates only at the accumulation boundary
+            sums["loss"] += loss.item() / cfg.num_iterations
+            for key in ("kl", "clip_ratio/low", "clip_ratio/high"):
+                sums[key] += st[key] / cfg.num_iterations
+            if it == 0:
+                # THE WEIGHT-SYNC CHECK: the trainer's pre-update log-probs vs the ones vLLM sampled with. They
+                # differ only by kernel rounding if vLLM really holds the weights that were just trained.
+                diff = (old - vllm_logp).abs() * live
+                sums["logp_diff"] += diff.sum().item()
+                sums["is_ratio"] += (isw * live).sum().item()
+                sums["tokens"] += live.sum().item()
+                sums["entropy"] += (ent * live).sum().item()
+                maxes["logp_diff_max"] = max(maxes["logp_diff_max"], diff.max().item())
+                maxes["is_ratio_max"] = max(maxes["is_ratio_max"], isw[live.bool()].max().item())
+                maxes["neg_is_ratio_min"] = max(maxes["neg_is_ratio_min"], -isw[live.bool()].min().item())
+    return sums, maxes
+
+
+def step_metrics(r: Rollouts, rewards, per_func: dict, group_std, sums: dict, maxes: dict, device, world: int) -> dict:
+    """Global metrics from every rank's sums (one all_reduce) and maxima (one more)."""
+    lens = [len(c) for c in r.completions]
+    acc = per_func["correctness"].sum().item() if "correctness" in per_func else 0.0
+    S = all_reduce_dict({"n": len(lens), "groups": len(group_std), "reward": rewards.sum().item(),
+                         "reward_std": group_std.sum().item(), "zero_std": (group_std < 1e-6).sum().item(),
+                         "accuracy": acc, "length": sum(lens), "clipped": sum(r.truncated),
+                         **{f"rewards/{k}": v.sum().item() for k, v in per_func.items()}, **sums}, device)
+    M = all_reduce_dict({"max_length": max(lens), "neg_min_length": -min(lens), **maxes}, device, dist.ReduceOp.MAX)
+    n, groups, ntok = S["n"], S["groups"], max(S["tokens"], 1.0)
+    return {"reward": S["reward"] / n, "reward_std": S["reward_std"] / groups,
+            "frac_reward_zero_std": S["zero_std"] / groups, "accuracy": S["accuracy"] / n,
+            **{k: v / n for k, v in S.items() if k.startswith("rewards/")},
+            "completions/mean_length": S["length"] / n, "completions/min_length": -M["neg_min_length"],
+            "completions/max_length": M["max_length"], "completions/clipped_ratio": S["clipped"] / n,
+            "loss": S["loss"] / world, "entropy": S["entropy"] / ntok, "kl": S["kl"] / ntok,
+            "clip_ratio/low": S["clip_ratio/low"] / ntok, "clip_ratio/high": S["clip_ratio/high"] / ntok,
+            "sampling/logp_diff_mean": S["logp_diff"] / ntok, "sampling/logp_diff_max": M["logp_diff_max"],
+            "sampling/is_ratio_mean": S["is_ratio"] / ntok, "sampling/is_ratio_max": M["is_ratio_max"],
+            "sampling/is_ratio_min": -M["neg_is_ratio_min"], "num_tokens": S["tokens"]}
+
+
+def validate(cfg: Config, world: int, on_gpu: bool) -> None:
+    """Checks that need no model: every rank reaches the same verdict before anything heavy starts."""
+    tp_group_layout(world, cfg.vllm_tensor_parallel_size)
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     if cfg.num_generations < 2:
         raise ConfigError(f"--num_generations {cfg.num_generations}: a group needs at least 2 completions")
     if per_rank % cfg.num_generations:
@@ -630,103 +741,127 @@ def run(cfg: Config, world: int, device: torch.device) -> None:
         raise ConfigError(f"--scale_rewards {cfg.scale_rewards}: expected group, batch or none")
     if cfg.loss_type not in ("grpo", "dr_grpo", "dapo"):
         raise ConfigError(f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo")
-    names = [n.strip() for n in cfg.reward_funcs.split(",") if n.strip()]
-    weights = [float(w) for w in cfg.reward_weights.split(",")]
-    if any(n not in REWARD_FUNCS for n in names) or len(weights) != len(names):
+    if cfg.dtype not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(f"--dtype {cfg.dtype}: expected auto, bfloat16 or float32")
+    names = cfg.reward_funcs.split(",")
+    if any(n not in REWARD_FUNCS for n in names) or len(cfg.reward_weights.split(",")) != len(names):
         raise ConfigError(f"--reward_funcs {cfg.reward_funcs} / --reward_weights {cfg.reward_weights}: names from "
                           f"{sorted(REWARD_FUNCS)} and one weight per name")
-    sleep_mode = cfg.vllm_enable_sleep_mode and on_gpu
-    if sleep_mode and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    if (on_gpu and cfg.vllm_enable_sleep_mode
+            and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")):
         raise ConfigError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep-mode allocator; "
                           "unset it or pass --vllm_enable_sleep_mode false")
+
+
+def resolve_model(cfg: Config) -> str:
+    """--model as a local folder; "smollm2" is built once per machine (local rank 0), the others wait."""
+    if cfg.model != "smollm2":
+        return cfg.model
+    cache = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")),
+                         "SmolLM2-135M-Instruct")
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
+        prepare_default_model(cache)
+    dist.barrier()
+    return cache
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(argv)
+    on_gpu = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
+        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
+    try:
+        train(cfg, device)
+    except ConfigError as e:  # one line per rank, no traceback; torchrun then stops the other ranks
+        print(f"error: {e}", flush=True)
+        sys.exit(2)
+
+
+def train(cfg: Config, device: torch.device) -> None:
+    import deepspeed
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import SamplingParams
+    from tqdm import tqdm
+
+    on_gpu, world, tp = device.type == "cuda", dist.get_world_size(), cfg.vllm_tensor_parallel_size
+    validate(cfg, world, on_gpu)
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
+    names, weights = cfg.reward_funcs.split(","), [float(w) for w in cfg.reward_weights.split(",")]
+    sleep_mode = cfg.vllm_enable_sleep_mode and on_gpu
     if cfg.vllm_enable_sleep_mode and not on_gpu:
         print0("note: vLLM sleep mode is CUDA-only; on CPU the engine stays awake (same code path otherwise)")
     dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "bfloat16": torch.bfloat16,
              "float32": torch.float32}[cfg.dtype]
-
-    # ---- model (the default one is built once, offline)
-    import deepspeed
-    from transformers import AutoConfig, AutoTokenizer
-    model_path = cfg.model
-    if model_path == "smollm2":
-        cache = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")), "SmolLM2-135M-Instruct")
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            os.makedirs(os.path.dirname(cache), exist_ok=True)
-            prepare_default_model(cache)
-        dist.barrier()
-        model_path = cache
+    model_path = resolve_model(cfg)
     mcfg = AutoConfig.from_pretrained(model_path)
     if mcfg.num_attention_heads % tp or (mcfg.num_key_value_heads % tp and tp % mcfg.num_key_value_heads):
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split the model's {mcfg.num_attention_heads} "
                           f"attention / {mcfg.num_key_value_heads} KV heads")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     source = PromptSource(cfg)
-    rng_torch = torch.manual_seed(cfg.seed)
-    del rng_torch
+    torch.manual_seed(cfg.seed)
 
-    # ---- TP groups, vLLM, DeepSpeed
+    # ---- TP groups, the vLLM engine, the DeepSpeed engine
     tp_group = None
     if tp > 1:  # every rank must take part in creating every group
-        tp_group, _ = dist.new_subgroups_by_enumeration(tp_layout)
-    if not on_gpu:  # DeepSpeed would JIT-compile a shared-memory comm op with g++ (~50 s) that gloo doesn't need
+        tp_group, _ = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))
+    if not on_gpu:  # DeepSpeed would JIT-compile a shared-memory comm op with g++ (~50 s) that gloo doesn't use
         import deepspeed.ops
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")  # reuses the process group
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")  # reuses our process group
     free0 = torch.cuda.mem_get_info()[0] if on_gpu else 0
     llm = build_vllm(cfg, model_path, tp, sleep_mode, dtype)
     vllm_gib = (free0 - torch.cuda.mem_get_info()[0]) / 2**30 if on_gpu else 0.0
     if sleep_mode:
-        llm.sleep(level=2)  # training memory first; woken before each generation
+        llm.sleep(level=2)  # the trainer allocates next; the engine is woken before each generation
     ds_config = fill_ds_config(cfg, world, bf16=dtype == torch.bfloat16 and on_gpu)
     engine = build_trainer(cfg, model_path, ds_config, dtype)
     ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
     print0(f"model {model_path} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step "
            f"({per_rank // cfg.num_generations} prompts x {cfg.num_generations}) | sleep mode {sleep_mode} | {dtype}")
 
-    from vllm import SamplingParams
-    sample_params = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
-                                   max_tokens=cfg.max_completion_length, logprobs=0)
+    sampling = SamplingParams(n=cfg.num_generations, temperature=cfg.temperature,
+                              max_tokens=cfg.max_completion_length, logprobs=0)  # logprobs=0: the sampled token's
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_completion_length)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     os.makedirs(cfg.output_dir, exist_ok=True)
     log_path = os.path.join(cfg.output_dir, "metrics.jsonl")
     if RANK == 0:
         open(log_path, "w").close()
 
     def evaluate() -> dict:
-        """Greedy accuracy on the fixed eval set, split over ranks (call with vLLM awake)."""
+        """Greedy accuracy on the fixed eval set, split over ranks (vLLM must be awake)."""
         rows = source.eval_rows[RANK::world]
-        outs = generate(llm, [chat_prompt_ids(tokenizer, r["prompt"], cfg.max_prompt_length) for r in rows],
+        outs = generate(llm, [chat_prompt_ids(tokenizer, x["prompt"], cfg.max_prompt_length) for x in rows],
                         greedy, tp_group, tp)
-        texts, answers = [o.outputs[0].text for o in outs], [r["answer"] for r in rows]
-        t = torch.tensor([sum(correctness_reward(texts, answers)), sum(format_reward(texts, answers)), len(rows)],
-                         dtype=torch.float64, device=device)
-        dist.all_reduce(t)
-        return {"eval/accuracy": (t[0] / t[2]).item(), "eval/format": (t[1] / t[2]).item()}
+        texts, answers = [o.outputs[0].text for o in outs], [x["answer"] for x in rows]
+        s = all_reduce_dict({"acc": sum(correctness_reward(texts, answers)), "fmt": sum(format_reward(texts, answers)),
+                             "n": len(rows)}, device)
+        return {"eval/accuracy": s["acc"] / s["n"], "eval/format": s["fmt"] / s["n"]}
 
-    from tqdm import tqdm
-    bar = tqdm(range(cfg.max_steps + 1), disable=RANK != 0, desc="grpo", dynamic_ncols=True)
-    for step in bar:
+    for step in tqdm(range(cfg.max_steps + 1), disable=RANK != 0, desc="grpo", dynamic_ncols=True):
         metrics, t_step = {"step": step}, time.time()
-        # ---- 1. sync: vLLM gets the current weights (also at step 0, so the sync is checked from the start)
+        # ---- 1. vLLM gets the current weights (at step 0 too, so the sync check covers every step)
         t = time.time()
-        push_weights_to_vllm(llm, engine.module, sleep_mode, cfg.debug_weight_sync_fault if step > 0 else "none")
+        push_weights_to_vllm(llm, engine.module, sleep_mode, cfg.debug_weight_sync_fault if step else "none")
         metrics["time/push"] = time.time() - t
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
             metrics.update(evaluate())
-        if step == cfg.max_steps:  # the last round only evaluates the final weights
-            if sleep_mode:
-                llm.sleep(level=2)
-            bar.close()
-            if metrics.keys() - {"step", "time/push"}:
+        if step == cfg.max_steps:  # the extra last round only evaluates the final weights
+            if len(metrics) > 2:
                 log_metrics(metrics, log_path)
             break
 
-        # ---- 2. generate: N prompts x G completions on this rank
+        # ---- 2. generate G completions for each of this rank's prompts, then free vLLM's memory
         t = time.time()
         examples = prompts_for_step(source, step, per_rank // cfg.num_generations, world)
         prompt_ids = [chat_prompt_ids(tokenizer, ex["prompt"], cfg.max_prompt_length) for ex in examples]
-        outputs = generate(llm, prompt_ids, sample_params, tp_group, tp)
+        rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp))
         metrics["time/generate"] = time.time() - t
         if sleep_mode:
             free_before = torch.cuda.mem_get_info()[0]
@@ -734,128 +869,31 @@ def run(cfg: Config, world: int, device: torch.device) -> None:
             metrics["memory/vllm_freed_gib"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
             metrics["memory/vllm_footprint_gib"] = vllm_gib
 
-        # flatten: completion k of prompt i is row i*G + k (groups are consecutive rows)
-        P, C, V, texts, answers, truncated = [], [], [], [], [], []
-        for ex, p, out in zip(examples, prompt_ids, outputs):
-            for o in out.outputs:
-                P.append(p)
-                C.append(list(o.token_ids))
-                V.append([lp[tok].logprob for lp, tok in zip(o.logprobs, o.token_ids)])
-                texts.append(o.text)
-                answers.append(ex["answer"])
-                truncated.append(o.finish_reason == "length")
-
-        # ---- 3. rewards and advantages
-        per_func = {n: torch.tensor(REWARD_FUNCS[n](texts, answers), dtype=torch.float32) for n in names}
-        rewards = sum(w * per_func[n] for n, w in zip(names, weights))
-        batch_std = None
-        if cfg.scale_rewards == "batch":  # global std over all ranks' rewards
-            s = torch.tensor([rewards.sum(), (rewards ** 2).sum(), rewards.numel()], dtype=torch.float64, device=device)
-            dist.all_reduce(s)
-            mean = s[0] / s[2]
-            batch_std = ((s[1] / s[2] - mean ** 2) * s[2] / (s[2] - 1)).clamp(min=0).sqrt().float().cpu()
+        # ---- 3. rewards -> group-relative advantages
+        rewards, per_func = score(rollouts, names, weights)
+        batch_std = global_std(rewards, device) if cfg.scale_rewards == "batch" else None
         advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std)
-        mask_rows = torch.tensor([not (cfg.mask_truncated_completions and tr) for tr in truncated], dtype=torch.float32)
 
-        # ---- 4. train: num_iterations optimizer steps, each over gradient_accumulation_steps micro-batches
+        # ---- 4. policy update
         t = time.time()
-        engine.train()
-        mb = cfg.per_device_train_batch_size
-        micro = [slice(i, i + mb) for i in range(0, per_rank, mb)]
-        lens = torch.tensor([len(c) for c in C], dtype=torch.float32)
-        # loss denominators per rank, chosen so that sum over micro-batches, averaged over ranks (DeepSpeed
-        # averages gradients), equals the loss of the whole global batch
-        n_tokens = torch.tensor([(lens * mask_rows).sum().item()], dtype=torch.float64, device=device)
-        dist.all_reduce(n_tokens)
-        n_tokens_rank = max(n_tokens.item() / world, 1.0)
-
-        def micro_logprobs(model, s):
-            return sequence_logprobs(model, P[s], C[s], cfg.temperature, device, pad_id)
-
-        old_logps = None
-        if cfg.num_iterations > 1:  # the policy that sampled: frozen before the first update
-            with torch.no_grad():
-                old_logps = [micro_logprobs(engine, s)[0] for s in micro]
-        sums = dict.fromkeys(["loss", "kl", "clip_ratio/low", "clip_ratio/high", "entropy", "diff_sum", "is_sum",
-                              "tokens"], 0.0)
-        diff_max, is_min, is_max = 0.0, float("inf"), 0.0
-        for it in range(cfg.num_iterations):
-            for k, s in enumerate(micro):
-                logp, ent = micro_logprobs(engine, s)
-                T = logp.shape[1]
-                vllm_logp = torch.nn.utils.rnn.pad_sequence([torch.tensor(v, dtype=torch.float32) for v in V[s]],
-                                                            batch_first=True).to(device)
-                mask = (torch.arange(T, device=device)[None] < lens[s, None].to(device)).float()
-                mask = mask * mask_rows[s, None].to(device)
-                old = old_logps[k] if old_logps is not None else logp.detach()
-                isw = None
-                if cfg.vllm_importance_sampling_correction:
-                    isw = importance_weights(old, vllm_logp, cfg.vllm_importance_sampling_cap)
-                ref_logp = None
-                if ref is not None:
-                    with torch.no_grad():
-                        ref_logp = micro_logprobs(ref, s)[0]
-                loss, st = grpo_loss(logp, old, advantages[s].to(device), mask,
-                                     epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
-                                     beta=cfg.beta, ref_logp=ref_logp, is_weight=isw, loss_type=cfg.loss_type,
-                                     max_completion_length=cfg.max_completion_length,
-                                     num_sequences=per_rank, num_tokens=n_tokens_rank)
-                engine.backward(loss, scale_wrt_gas=False)  # our denominators already cover accumulation
-                engine.step()  # DeepSpeed only updates at the accumulation boundary
-                if it == 0:  # trainer (before any update) vs vLLM on the sampled tokens: the weight-sync check
-                    live = (torch.arange(T, device=device)[None] < lens[s, None].to(device)).float()
-                    diff = (old - vllm_logp).abs() * live
-                    sums["diff_sum"] += diff.sum().item()
-                    diff_max = max(diff_max, diff.max().item())
-                    sums["tokens"] += live.sum().item()
-                    sums["entropy"] += (ent.detach() * live).sum().item()
-                    if isw is not None:
-                        sums["is_sum"] += (isw * live).sum().item()
-                        is_min = min(is_min, isw[live.bool()].min().item())
-                        is_max = max(is_max, isw[live.bool()].max().item())
-                sums["loss"] += loss.item() / cfg.num_iterations
-                for key in ("kl", "clip_ratio/low", "clip_ratio/high"):
-                    sums[key] += st[key] / cfg.num_iterations
+        sums, maxes = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world)
         metrics["time/train"] = time.time() - t
-        if on_gpu:  # device-wide, before the cache is emptied: what training holds next to the sleeping engine
+        if on_gpu:  # device-wide, before the cache is emptied: what training holds beside the sleeping engine
             free, total = torch.cuda.mem_get_info()
             metrics["memory/train_used_gib"] = (total - free) / 2**30
-        grad_norm = engine.get_global_grad_norm()
 
-        # ---- 5. metrics (reduced over ranks), one line per step on rank 0
-        gen_tokens = sum(len(c) for c in C)
-        local = {"reward": rewards.sum().item(), "reward_std": group_std.sum().item(),
-                 "frac_reward_zero_std": (group_std < 1e-6).float().sum().item(),
-                 "accuracy": per_func["correctness"].sum().item() if "correctness" in per_func else 0.0,
-                 "completions/mean_length": float(gen_tokens), "completions/clipped_ratio": float(sum(truncated)),
-                 **{f"rewards/{n}": v.sum().item() for n, v in per_func.items()}}
-        counts = {"reward_std": len(group_std), "frac_reward_zero_std": len(group_std)}
-        keys = list(local) + list(sums)
-        tot = torch.tensor([local.get(k, sums.get(k)) for k in keys] + [len(C), len(group_std)],
-                           dtype=torch.float64, device=device)
-        dist.all_reduce(tot)
-        tot = dict(zip(keys + ["_n", "_groups"], tot.tolist()))
-        mx = torch.tensor([diff_max, is_max, -is_min, max(map(len, C)), -min(map(len, C))], dtype=torch.float64, device=device)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-        for k in local:
-            metrics[k] = tot[k] / (tot["_groups"] if k in counts else tot["_n"])
-        ntok = max(tot["tokens"], 1.0)
-        metrics.update({
-            "completions/max_length": mx[3].item(), "completions/min_length": -mx[4].item(),
-            "loss": tot["loss"] / world, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-            "entropy": tot["entropy"] / ntok, "kl": tot["kl"] / ntok,
-            "clip_ratio/low": tot["clip_ratio/low"] / ntok, "clip_ratio/high": tot["clip_ratio/high"] / ntok,
-            "sampling/logp_diff_mean": tot["diff_sum"] / ntok, "sampling/logp_diff_max": mx[0].item(),
-            "sampling/is_ratio_mean": tot["is_sum"] / ntok, "sampling/is_ratio_max": mx[1].item(),
-            "sampling/is_ratio_min": -mx[2].item() if cfg.vllm_importance_sampling_correction else 0.0,
-            "num_tokens": tot["tokens"], "time/step": time.time() - t_step,
-        })
-        metrics["tokens_per_sec"] = tot["tokens"] / metrics["time/step"]
-        metrics["generate_tokens_per_sec"] = tot["tokens"] / max(metrics["time/generate"], 1e-9)
+        # ---- 5. metrics over all ranks, one line per step on rank 0
+        metrics.update(step_metrics(rollouts, rewards, per_func, group_std, sums, maxes, device, world))
+        metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+        metrics["time/step"] = time.time() - t_step
+        metrics["tokens_per_sec"] = metrics["num_tokens"] / metrics["time/step"]
+        metrics["generate_tokens_per_sec"] = metrics["num_tokens"] / max(metrics["time/generate"], 1e-9)
         log_metrics(metrics, log_path)
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
             save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, f"checkpoint-{step + 1}"))
 
+    if sleep_mode:
+        llm.sleep(level=2)
     save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))
     print0(f"saved {os.path.join(cfg.output_dir, 'final')}")
     dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
