@@ -557,7 +557,9 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     engine, *_ = deepspeed.initialize(model=model, config=ds_config,
                                       model_parameters=model.parameters() if train else None)
     del hf_ds
-    return engine if train else engine.eval()
+    if not train:
+        engine.eval()  # (DeepSpeedEngine.eval() returns None, unlike nn.Module's)
+    return engine
 
 
 # =====================================================================================================

@@ -353,6 +353,21 @@ def test_e2e_stale_weights_are_detected(tp1_run, tmp_path, fault):
     assert train[1]["sampling/logp_diff_mean"] > 2e-2, train[1]  # step 1: vLLM samples from the disk copy
 
 
+def test_e2e_kl_reference_and_two_iterations(tmp_path):
+    """The other paths of the loop: a frozen ZeRO-3 reference (beta > 0), two optimizer passes per batch
+    (old log-probs frozen before the first), per-sequence normalisation, batch-std advantages, masking of
+    truncated completions."""
+    rc, log, metrics = torchrun(E2E + ["--beta", "0.1", "--num_iterations", "2", "--loss_type", "grpo",
+                                       "--scale_rewards", "batch", "--mask_truncated_completions", "true",
+                                       "--epsilon_high", "0.28"], tmp_path)
+    assert rc == 0, log[-4000:]
+    train = [m for m in metrics if "loss" in m]
+    assert len(train) == 2
+    for m in train:
+        assert m["sampling/logp_diff_mean"] < 1e-3, m  # in sync after two updates per step
+        assert m["kl"] > 0 and math.isfinite(m["loss"]), m  # the second pass moves away from the reference
+
+
 @pytest.fixture(scope="module")
 def tiny_tp_model(tmp_path_factory):
     """A random llama whose 4 attention / 2 KV heads split over TP=2, with SmolLM2's tokenizer."""
