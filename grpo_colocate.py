@@ -669,7 +669,7 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
             old_logps = [logprobs(engine, s)[0] for s in micro]
     sums = dict.fromkeys(["loss", "kl", "clip_ratio/low", "clip_ratio/high", "entropy", "logp_diff", "is_ratio",
                           "tokens"], 0.0)
-    maxes = {"logp_diff_max": 0.0, "is_ratio_max": 0.0, "neg_is_ratio_min": -1.0}
+    maxes = {"logp_diff_max": 0.0, "is_ratio_max": 0.0, "neg_is_ratio_min": -math.inf}
     for it in range(cfg.num_iterations):
         for k, s in enumerate(micro):
             logp, ent = logprobs(engine, s)  # [b, T]
@@ -848,15 +848,18 @@ def train(cfg: Config, device: torch.device) -> None:
 
     for step in tqdm(range(cfg.max_steps + 1), disable=RANK != 0, desc="grpo", dynamic_ncols=True):
         metrics, t_step = {"step": step}, time.time()
+        last = step == cfg.max_steps  # the extra last round only evaluates the final weights
+        do_eval = cfg.eval_steps > 0 and (step % cfg.eval_steps == 0 or last)
+        if last and not do_eval:
+            break
         # ---- 1. vLLM gets the current weights (at step 0 too, so the sync check covers every step)
         t = time.time()
         push_weights_to_vllm(llm, engine.module, sleep_mode, cfg.debug_weight_sync_fault if step else "none")
         metrics["time/push"] = time.time() - t
-        if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
+        if do_eval:
             metrics.update(evaluate())
-        if step == cfg.max_steps:  # the extra last round only evaluates the final weights
-            if len(metrics) > 2:
-                log_metrics(metrics, log_path)
+        if last:
+            log_metrics(metrics, log_path)
             break
 
         # ---- 2. generate G completions for each of this rank's prompts, then free vLLM's memory
