@@ -859,6 +859,8 @@ def train(cfg: Config, device: torch.device) -> None:
         if do_eval:
             metrics.update(evaluate())
         if last:
+            if sleep_mode:  # free vLLM's memory for the final gather and save
+                llm.sleep(level=2)
             log_metrics(metrics, log_path)
             break
 
@@ -897,9 +899,7 @@ def train(cfg: Config, device: torch.device) -> None:
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
             save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, f"checkpoint-{step + 1}"))
 
-    if sleep_mode:
-        llm.sleep(level=2)
-    save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))
+    save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))  # vLLM is asleep here
     print0(f"saved {os.path.join(cfg.output_dir, 'final')}")
     dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
 
