@@ -335,9 +335,14 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str,
     return adv, std
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(token) under softmax(logits / temperature). logits [T, V], tokens [T] -> [T] (float32)."""
-    return torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(token) under softmax(logits / temperature), and that distribution's entropy (no gradient).
+    logits [T, V], tokens [T] -> two [T] float32 tensors, from one log-softmax."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def importance_weights(trainer_logp: torch.Tensor, vllm_logp: torch.Tensor, cap: float) -> torch.Tensor:
@@ -593,10 +598,9 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
     logps, ents = [], []
     for i, (p, c) in enumerate(zip(prompts, completions)):  # row by row: a [B, L, V] float32 copy is large
         lg = logits[i, len(p) - 1: len(p) + len(c) - 1]  # position t predicts token t+1
-        logps.append(token_logprobs(lg, ids[i, len(p): len(p) + len(c)], temperature))
-        with torch.no_grad():
-            lp = torch.log_softmax(lg.float() / temperature, dim=-1)
-            ents.append(-(lp.exp() * lp).sum(-1))
+        logp, ent = token_logprobs(lg, ids[i, len(p): len(p) + len(c)], temperature)
+        logps.append(logp)
+        ents.append(ent)
     pad = torch.nn.utils.rnn.pad_sequence
     return pad(logps, batch_first=True), pad(ents, batch_first=True)
 

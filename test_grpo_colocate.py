@@ -48,10 +48,11 @@ def test_group_advantages_sum_to_zero_per_group():
 
 def test_token_logprobs_by_hand():
     logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
-    lp = g.token_logprobs(logits, torch.tensor([2, 1]))
+    lp, ent = g.token_logprobs(logits, torch.tensor([2, 1]))
     assert lp[0].item() == pytest.approx(3 - math.log(math.e + math.e**2 + math.e**3), abs=1e-6)
     assert lp[1].item() == pytest.approx(math.log(1 / 3), abs=1e-6)
-    lp2 = g.token_logprobs(logits, torch.tensor([2, 1]), temperature=2.0)
+    assert ent[1].item() == pytest.approx(math.log(3), abs=1e-6)  # uniform over 3 tokens
+    lp2, _ = g.token_logprobs(logits, torch.tensor([2, 1]), temperature=2.0)
     assert lp2[0].item() == pytest.approx(1.5 - math.log(math.exp(0.5) + math.exp(1) + math.exp(1.5)), abs=1e-6)
 
 
@@ -350,7 +351,7 @@ def test_e2e_stale_weights_are_detected(tp1_run, tmp_path, fault):
     assert rc == 0, log[-4000:]
     train = [m for m in metrics if "loss" in m]
     assert train[0]["sampling/logp_diff_mean"] < 1e-3  # step 0: nothing trained yet, disk == trainer
-    assert train[1]["sampling/logp_diff_mean"] > 2e-2, train[1]  # step 1: vLLM samples from the disk copy
+    assert train[1]["sampling/logp_diff_mean"] > 2e-2, train[1]  # step 1: vLLM samples from stale weights
 
 
 def test_e2e_kl_reference_and_two_iterations(tmp_path):
