@@ -58,6 +58,8 @@ import re
 import sys
 import time
 import warnings
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 # Read by vLLM at import time (external_launcher runs the engine in this process). Override from the shell.
@@ -90,7 +92,7 @@ class Config:
     """field holding the question in a jsonl / HF dataset"""
     answer_field: str = "answer"
     """field holding the reference answer (text after "####" is used if present, as in GSM8K)"""
-    num_eval_prompts: int = 64
+    num_eval_prompts: int = 128
     """size of the fixed eval set scored greedily (held out: generated separately or the first rows of a file)"""
     eval_steps: int = 10
     """score the eval set every this many steps (and at the end); 0 = never"""
@@ -163,6 +165,10 @@ class Config:
     """metrics.jsonl and saved models go here"""
     save_steps: int = 0
     """also save an HF folder every this many steps; 0 = only at the end"""
+    benchmark_generation: int = 0
+    """after training, time this many back-to-back generations of the last batch with the engine alone (the ceiling)"""
+    plot: str = ""
+    """draw the curves of a metrics.jsonl into a PNG beside it and exit (needs matplotlib; no training)"""
     debug_weight_sync_fault: str = "none"
     """tests only: none, skip_push, or reload_from_disk (TRL #5312's bug) to prove the sync check fires"""
 
@@ -206,18 +212,22 @@ ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", 
 
 def arithmetic_problem(rng: random.Random) -> dict:
     """A small arithmetic word problem with an exact integer answer, e.g.
-    {"prompt": "Ava has 7 apples and buys 5 more. How many apples does Ava have now?", "answer": "12"}."""
+    {"prompt": "Ava has 7 apples and buys 5 more. How many apples does Ava have now?", "answer": "12"}.
+    Chosen so SmolLM2-135M has room to learn: at step 0 it answers about 1 in 5 correctly (greedy), mostly
+    by picking the wrong operation (it copies the few-shot subtraction) or slipping on the sum. Times tables
+    were left out: it already knows them (~80% at step 0), so they would only dilute the signal."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b = rng.randint(2, 20), rng.randint(2, 20)
-    kind = rng.choice(["add", "sub", "mul", "plain"])
+    kind = rng.choice(["add", "sub", "two_step", "plain"])
     if kind == "add":
         q, ans = f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b
     elif kind == "sub":
         a, b = max(a, b), min(a, b)
         q, ans = f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
-    elif kind == "mul":
-        a, b = a % 9 + 2, b % 9 + 2  # 2..10
-        q, ans = f"{name} has {a} boxes with {b} {item} in each box. How many {item} are there in total?", a * b
+    elif kind == "two_step":
+        c = rng.randint(1, a + b - 1)
+        q = f"{name} has {a} {item}, buys {b} more and then gives away {c}. How many {item} does {name} have now?"
+        ans = a + b - c
     else:
         op = rng.choice(["+", "-"])
         q, ans = f"What is {a} {op} {b}?", (a + b if op == "+" else a - b)
@@ -406,6 +416,27 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+class PhaseTimer:
+    """Seconds per phase of a step: `with timer("generate"): ...` adds to timer.t["generate"].
+    On GPU it synchronizes before reading the clock, so kernels still queued are charged to the phase that
+    launched them, not to the next one (a few ms per step)."""
+
+    def __init__(self, sync: bool = False):
+        self.sync, self.t = sync, defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        if self.sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.t[name] += time.perf_counter() - t0
+
+
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
     """Contiguous ranks share an engine: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]] (vLLM's own layout)."""
     if tp < 1 or world_size % tp != 0:
@@ -425,10 +456,13 @@ def tp_exchange(items: list, group, tp: int) -> tuple[list, slice]:
     return [x for g in gathered for x in g], slice(start, start + len(items))
 
 
-def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int) -> list:
+def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int, timer: PhaseTimer | None = None) -> list:
     """vLLM outputs for this rank's prompts, in order: output i belongs to prompt_ids[i]."""
-    all_prompts, mine = tp_exchange(prompt_ids, tp_group, tp)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in all_prompts], params, use_tqdm=False)
+    timer = timer or PhaseTimer()
+    with timer("exchange"):
+        all_prompts, mine = tp_exchange(prompt_ids, tp_group, tp)
+    with timer("generate"):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in all_prompts], params, use_tqdm=False)
     return outputs[mine]
 
 
@@ -466,14 +500,26 @@ def gathered_params(model):
             yield name, param.data
 
 
-def push_weights_to_vllm(llm, model, sleep_mode: bool, fault: str = "none") -> None:
+def push_weights_to_vllm(llm, model, sleep_mode: bool, fault: str = "none", timer: PhaseTimer | None = None) -> None:
     """Make vLLM sample from the weights just trained.
     Level-2 sleep discarded vLLM's weights, so: wake the weight memory only (the KV cache stays freed
     while ZeRO-3 gathers), load every parameter, then wake the KV cache and drop cached prefixes (their
     KV entries were computed with the old weights)."""
+    timer = timer or PhaseTimer()
     if sleep_mode:
-        torch.cuda.empty_cache()
-        llm.wake_up(tags=["weights"])
+        with timer("wake"):
+            torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its memory
+            llm.wake_up(tags=["weights"])
+    with timer("push"):
+        load_weights_into_vllm(llm, model, fault)
+    if sleep_mode:
+        with timer("wake"):
+            llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+
+
+def load_weights_into_vllm(llm, model, fault: str = "none") -> None:
+    """Stream the trainer's parameters (gathered one at a time) into every worker's model."""
     if fault != "skip_push":
         # reload_weights with an iterator loads in checkpoint format (vLLM fuses qkv etc. and cuts its own TP
         # shard); it is the path that works on CPU too. Never call it WITHOUT weights_iterator after a push:
@@ -486,9 +532,6 @@ def push_weights_to_vllm(llm, model, sleep_mode: bool, fault: str = "none") -> N
             # the reload replaced but whose packed copy it does not refresh.
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
             llm.apply_model(lambda m: dispatch_cpu_unquantized_gemm(m.lm_head, remove_weight=False))
-    if sleep_mode:
-        llm.wake_up(tags=["kv_cache"])
-    llm.reset_prefix_cache()
 
 
 def prepare_default_model(out_dir: str) -> str:
@@ -651,9 +694,10 @@ def global_std(x: torch.Tensor, device) -> torch.Tensor:
 
 
 def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: Config, device, pad_id: int,
-                      world: int) -> tuple[dict, dict]:
+                      world: int, timer: PhaseTimer | None = None) -> tuple[dict, dict]:
     """num_iterations optimizer steps over the rollouts, each accumulating gradient_accumulation_steps
     micro-batches. Returns this rank's sums and maxima for the step metrics."""
+    timer = timer or PhaseTimer()
     engine.train()
     n, mb = len(r.completions), cfg.per_device_train_batch_size
     micro = [slice(i, i + mb) for i in range(0, n, mb)]
@@ -669,14 +713,15 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
 
     old_logps = None
     if cfg.num_iterations > 1:  # the policy that sampled, frozen before the first update
-        with torch.no_grad():
+        with torch.no_grad(), timer("logprob"):
             old_logps = [logprobs(engine, s)[0] for s in micro]
     sums = dict.fromkeys(["loss", "kl", "clip_ratio/low", "clip_ratio/high", "entropy", "logp_diff", "is_ratio",
                           "tokens"], 0.0)
     maxes = {"logp_diff_max": 0.0, "is_ratio_max": 0.0, "neg_is_ratio_min": -math.inf}
     for it in range(cfg.num_iterations):
         for k, s in enumerate(micro):
-            logp, ent = logprobs(engine, s)  # [b, T]
+            with timer("logprob"):
+                logp, ent = logprobs(engine, s)  # [b, T], with the autograd graph
             T = logp.shape[1]
             live = (torch.arange(T, device=device)[None] < lens[s, None]).float()  # real completion tokens
             mask = live * keep[s, None]
@@ -686,15 +731,17 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
             isw = importance_weights(old, vllm_logp, cfg.vllm_importance_sampling_cap)
             ref_logp = None
             if ref is not None:
-                with torch.no_grad():
+                with torch.no_grad(), timer("logprob"):
                     ref_logp = logprobs(ref, s)[0]
             loss, st = grpo_loss(logp, old, advantages[s].to(device), mask,
                                  epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta,
                                  ref_logp=ref_logp, is_weight=isw if cfg.vllm_importance_sampling_correction else None,
                                  loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
                                  num_sequences=n, num_tokens=tokens_per_rank)
-            engine.backward(loss, scale_wrt_gas=False)  # our denominators already account for accumulation
-            engine.step()  # DeepSpeed updates only at the accumulation boundary
+            with timer("backward"):
+                engine.backward(loss, scale_wrt_gas=False)  # our denominators already account for accumulation
+            with timer("optimizer"):
+                engine.step()  # DeepSpeed updates only at the accumulation boundary
             sums["loss"] += loss.item() / cfg.num_iterations
             for key in ("kl", "clip_ratio/low", "clip_ratio/high"):
                 sums[key] += st[key] / cfg.num_iterations
@@ -774,6 +821,9 @@ def resolve_model(cfg: Config) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
+    if cfg.plot:
+        print(f"wrote {plot_metrics(cfg.plot.split(','))}")
+        return
     on_gpu = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if on_gpu:
@@ -823,9 +873,16 @@ def train(cfg: Config, device: torch.device) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")  # reuses our process group
     free0 = torch.cuda.mem_get_info()[0] if on_gpu else 0
     llm = build_vllm(cfg, model_path, tp, sleep_mode, dtype)
-    vllm_gib = (free0 - torch.cuda.mem_get_info()[0]) / 2**30 if on_gpu else 0.0
+    mem = {}  # what vLLM holds awake (device-wide free-memory delta of building it) and what sleep gives back
+    if on_gpu:
+        mem["memory/vllm_awake_gib"] = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
     if sleep_mode:
         llm.sleep(level=2)  # the trainer allocates next; the engine is woken before each generation
+        torch.cuda.empty_cache()
+        mem["memory/vllm_asleep_gib"] = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
+        mem["memory/sleep_freed_frac"] = 1 - mem["memory/vllm_asleep_gib"] / mem["memory/vllm_awake_gib"]
+        print0(f"vLLM holds {mem['memory/vllm_awake_gib']:.1f} GiB awake, {mem['memory/vllm_asleep_gib']:.2f} GiB "
+               f"asleep: sleep(level=2) gives {100 * mem['memory/sleep_freed_frac']:.1f}% back to training")
     ds_config = fill_ds_config(cfg, world, bf16=dtype == torch.bfloat16 and on_gpu)
     engine = build_trainer(cfg, model_path, ds_config, dtype)
     ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
@@ -850,55 +907,61 @@ def train(cfg: Config, device: torch.device) -> None:
                              "n": len(rows)}, device)
         return {"eval/accuracy": s["acc"] / s["n"], "eval/format": s["fmt"] / s["n"]}
 
+    gen_tok_s, prompt_ids = [], None  # the loop's generation throughput, to compare with the standalone benchmark at the end
     for step in tqdm(range(cfg.max_steps + 1), disable=RANK != 0, desc="grpo", dynamic_ncols=True):
-        metrics, t_step = {"step": step}, time.time()
+        metrics, timer, t_step = {"step": step}, PhaseTimer(sync=on_gpu), time.perf_counter()
         last = step == cfg.max_steps  # the extra last round only evaluates the final weights
         do_eval = cfg.eval_steps > 0 and (step % cfg.eval_steps == 0 or last)
-        if last and not do_eval:
+        if last and not (do_eval or cfg.benchmark_generation):
             break
         # ---- 1. vLLM gets the current weights (at step 0 too, so the sync check covers every step)
-        t = time.time()
-        push_weights_to_vllm(llm, engine.module, sleep_mode, cfg.debug_weight_sync_fault if step else "none")
-        metrics["time/push"] = time.time() - t
+        push_weights_to_vllm(llm, engine.module, sleep_mode, cfg.debug_weight_sync_fault if step else "none", timer)
         if do_eval:
-            metrics.update(evaluate())
+            with timer("eval"):
+                metrics.update(evaluate())
         if last:
+            if cfg.benchmark_generation and prompt_ids is not None:
+                metrics.update(benchmark_generation(llm, prompt_ids, sampling, tp_group, tp, cfg.benchmark_generation,
+                                                    gen_tok_s, device))
             if sleep_mode:  # free vLLM's memory for the final gather and save
                 llm.sleep(level=2)
+            metrics.update({f"time/{k}": v for k, v in timer.t.items()})
             log_metrics(metrics, log_path)
             break
 
         # ---- 2. generate G completions for each of this rank's prompts, then free vLLM's memory
-        t = time.time()
         examples = prompts_for_step(source, step, per_rank // cfg.num_generations, world)
         prompt_ids = [chat_prompt_ids(tokenizer, ex["prompt"], cfg.max_prompt_length) for ex in examples]
-        rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp))
-        metrics["time/generate"] = time.time() - t
+        rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp, timer))
+        if on_gpu:
+            free, total = torch.cuda.mem_get_info()
+            metrics["memory/generate_used_gib"] = (total - free) / 2**30  # device-wide, vLLM awake
         if sleep_mode:
-            free_before = torch.cuda.mem_get_info()[0]
-            llm.sleep(level=2)
-            metrics["memory/vllm_freed_gib"] = (torch.cuda.mem_get_info()[0] - free_before) / 2**30
-            metrics["memory/vllm_footprint_gib"] = vllm_gib
+            with timer("sleep"):
+                llm.sleep(level=2)
+                torch.cuda.empty_cache()
+            metrics.update(mem)
 
         # ---- 3. rewards -> group-relative advantages
-        rewards, per_func = score(rollouts, names, weights)
-        batch_std = global_std(rewards, device) if cfg.scale_rewards == "batch" else None
-        advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std)
+        with timer("reward"):
+            rewards, per_func = score(rollouts, names, weights)
+            batch_std = global_std(rewards, device) if cfg.scale_rewards == "batch" else None
+            advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std)
 
         # ---- 4. policy update
-        t = time.time()
-        sums, maxes = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world)
-        metrics["time/train"] = time.time() - t
-        if on_gpu:  # device-wide, before the cache is emptied: what training holds beside the sleeping engine
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
+        sums, maxes = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world, timer)
+        if on_gpu:  # the trainer's own peak, and device-wide use beside the sleeping engine
             free, total = torch.cuda.mem_get_info()
             metrics["memory/train_used_gib"] = (total - free) / 2**30
+            metrics["memory/train_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
         # ---- 5. metrics over all ranks, one line per step on rank 0
         metrics.update(step_metrics(rollouts, rewards, per_func, group_std, sums, maxes, device, world))
         metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
-        metrics["time/step"] = time.time() - t_step
-        metrics["tokens_per_sec"] = metrics["num_tokens"] / metrics["time/step"]
-        metrics["generate_tokens_per_sec"] = metrics["num_tokens"] / max(metrics["time/generate"], 1e-9)
+        metrics.update(step_timings(timer.t, time.perf_counter() - t_step, metrics["num_tokens"], world * per_rank))
+        gen_tok_s.append(metrics["generate_tokens_per_sec"])
         log_metrics(metrics, log_path)
         if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
             save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, f"checkpoint-{step + 1}"))
@@ -906,6 +969,40 @@ def train(cfg: Config, device: torch.device) -> None:
     save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))  # vLLM is asleep here
     print0(f"saved {os.path.join(cfg.output_dir, 'final')}")
     dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
+
+
+def step_timings(t: dict, step_s: float, num_tokens: float, num_samples: int) -> dict:
+    """Where the step's seconds went (rank 0's clock; ranks wait for each other in the collectives) and
+    throughput. time/train = logprob + backward + optimizer; time/overhead = wake + push + sleep + exchange,
+    the price of co-location."""
+    out = {f"time/{k}": v for k, v in t.items()}
+    out["time/train"] = sum(t.get(k, 0.0) for k in ("logprob", "backward", "optimizer"))
+    out["time/overhead"] = sum(t.get(k, 0.0) for k in ("wake", "push", "sleep", "exchange"))
+    out["time/step"] = step_s
+    out["samples_per_sec"] = num_samples / step_s
+    out["tokens_per_sec"] = num_tokens / step_s
+    out["generate_tokens_per_sec"] = num_tokens / max(t.get("generate", 0.0) + t.get("exchange", 0.0), 1e-9)
+    return out
+
+
+def benchmark_generation(llm, prompt_ids, sampling, tp_group, tp: int, repeats: int, loop_tok_s: list,
+                         device) -> dict:
+    """The ceiling for the generation phase: the same engine generating the last step's batch `repeats`
+    times back to back (no sleep, wake or weight push in between). Compared with the loop's generation
+    throughput (median over steps, the first excluded: it includes start-up effects)."""
+    rates = []
+    for _ in range(repeats):
+        timer = PhaseTimer(sync=device.type == "cuda")
+        outs = generate(llm, prompt_ids, sampling, tp_group, tp, timer)
+        n = all_reduce_dict({"tokens": sum(len(o.token_ids) for out in outs for o in out.outputs)}, device)["tokens"]
+        rates.append(n / (timer.t["generate"] + timer.t["exchange"]))
+    loop = sorted(loop_tok_s[1:] or loop_tok_s)
+    loop_median = loop[len(loop) // 2] if loop else float("nan")
+    ceiling = sorted(rates)[len(rates) // 2]
+    print0(f"generation: {loop_median:.0f} tok/s in the loop vs {ceiling:.0f} tok/s for the engine alone "
+           f"({100 * loop_median / ceiling:.0f}% of the ceiling)")
+    return {"bench/generate_tokens_per_sec": ceiling, "bench/loop_generate_tokens_per_sec": loop_median,
+            "bench/loop_fraction_of_ceiling": loop_median / ceiling}
 
 
 def log_metrics(m: dict, path: str) -> None:
@@ -919,10 +1016,45 @@ def log_metrics(m: dict, path: str) -> None:
            ("frac_reward_zero_std", "zero_std {:.2f}"), ("completions/mean_length", "len {:.0f}"),
            ("sampling/logp_diff_mean", "logp_diff {:.4f}"), ("sampling/logp_diff_max", "max {:.4f}"),
            ("eval/accuracy", "EVAL acc {:.3f}"), ("eval/format", "fmt {:.3f}"), ("time/generate", "gen {:.1f}s"),
-           ("time/push", "push {:.2f}s"), ("time/train", "train {:.1f}s"), ("tokens_per_sec", "{:.0f} tok/s")]
+           ("time/push", "push {:.2f}s"), ("time/overhead", "overhead {:.2f}s"), ("time/train", "train {:.1f}s"),
+           ("tokens_per_sec", "{:.0f} tok/s")]
     parts += [f.format(m[k]) for k, f in fmt if k in m]
     from tqdm import tqdm
     tqdm.write(" | ".join(parts))
+
+
+def plot_metrics(paths: list[str], png: str | None = None) -> str:
+    """Training curves from one or more metrics.jsonl files (one line per run, labelled by its folder)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    png = png or os.path.join(os.path.dirname(paths[0]) or ".", "curves.png")
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    for path in paths:
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        label = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        train = [r for r in rows if "reward" in r]
+        ev = [r for r in rows if "eval/accuracy" in r]
+
+        def smooth(key, k=10):  # trailing mean over k steps
+            v = [r[key] for r in train]
+            return [sum(v[max(0, i - k + 1): i + 1]) / len(v[max(0, i - k + 1): i + 1]) for i in range(len(v))]
+        steps = [r["step"] for r in train]
+        line = ax[0, 0].plot([r["step"] for r in ev], [r["eval/accuracy"] for r in ev], "o-", label=f"{label}: eval (greedy)")
+        ax[0, 0].plot(steps, smooth("accuracy"), "--", color=line[0].get_color(), label=f"{label}: sampled")
+        ax[0, 1].plot(steps, smooth("rewards/format") if "rewards/format" in train[0] else smooth("reward"), label=label)
+        ax[1, 0].semilogy(steps, [r["sampling/logp_diff_mean"] for r in train], label=f"{label}: mean")
+        ax[1, 1].plot(steps, smooth("completions/mean_length"), label=label)
+    for a, title in zip(ax.flat, ["exact-answer accuracy", "format reward (10-step mean)",
+                                  "|logp_vLLM - logp_trainer| per token (weight-sync check)",
+                                  "completion length, tokens (10-step mean)"]):
+        a.set_title(title, fontsize=10)
+        a.set_xlabel("step")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=90)
+    return png
 
 
 if __name__ == "__main__":
