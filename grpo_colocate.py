@@ -717,7 +717,7 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
             old_logps = [logprobs(engine, s)[0] for s in micro]
     sums = dict.fromkeys(["loss", "kl", "clip_ratio/low", "clip_ratio/high", "entropy", "logp_diff", "is_ratio",
                           "tokens"], 0.0)
-    maxes = {"logp_diff_max": 0.0, "is_ratio_max": 0.0, "neg_is_ratio_min": -math.inf}
+    maxes = {"logp_diff_max": 0.0, "is_ratio_max": 0.0, "neg_is_ratio_min": -math.inf, "train_peak_used_gib": 0.0}
     for it in range(cfg.num_iterations):
         for k, s in enumerate(micro):
             with timer("logprob"):
@@ -738,6 +738,9 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
                                  ref_logp=ref_logp, is_weight=isw if cfg.vllm_importance_sampling_correction else None,
                                  loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
                                  num_sequences=n, num_tokens=tokens_per_rank)
+            if device.type == "cuda":  # device-wide use with this micro-batch's activations alive (the peak)
+                free, total = torch.cuda.mem_get_info()
+                maxes["train_peak_used_gib"] = max(maxes["train_peak_used_gib"], (total - free) / 2**30)
             with timer("backward"):
                 engine.backward(loss, scale_wrt_gas=False)  # our denominators already account for accumulation
             with timer("optimizer"):
@@ -768,6 +771,7 @@ def step_metrics(r: Rollouts, rewards, per_func: dict, group_std, sums: dict, ma
                          "accuracy": acc, "length": sum(lens), "clipped": sum(r.truncated),
                          **{f"rewards/{k}": v.sum().item() for k, v in per_func.items()}, **sums}, device)
     M = all_reduce_dict({"max_length": max(lens), "neg_min_length": -min(lens), **maxes}, device, dist.ReduceOp.MAX)
+    mem = {"memory/train_peak_used_gib": M["train_peak_used_gib"]} if device.type == "cuda" else {}
     n, groups, ntok = S["n"], S["groups"], max(S["tokens"], 1.0)
     return {"reward": S["reward"] / n, "reward_std": S["reward_std"] / groups,
             "frac_reward_zero_std": S["zero_std"] / groups, "accuracy": S["accuracy"] / n,
@@ -778,7 +782,7 @@ def step_metrics(r: Rollouts, rewards, per_func: dict, group_std, sums: dict, ma
             "clip_ratio/low": S["clip_ratio/low"] / ntok, "clip_ratio/high": S["clip_ratio/high"] / ntok,
             "sampling/logp_diff_mean": S["logp_diff"] / ntok, "sampling/logp_diff_max": M["logp_diff_max"],
             "sampling/is_ratio_mean": S["is_ratio"] / ntok, "sampling/is_ratio_max": M["is_ratio_max"],
-            "sampling/is_ratio_min": -M["neg_is_ratio_min"], "num_tokens": S["tokens"]}
+            "sampling/is_ratio_min": -M["neg_is_ratio_min"], "num_tokens": S["tokens"], **mem}
 
 
 def validate(cfg: Config, world: int, on_gpu: bool) -> None:
@@ -949,13 +953,8 @@ def train(cfg: Config, device: torch.device) -> None:
             advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std)
 
         # ---- 4. policy update
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats()
         sums, maxes = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world, timer)
-        if on_gpu:  # the trainer's own peak, and device-wide use beside the sleeping engine
-            free, total = torch.cuda.mem_get_info()
-            metrics["memory/train_used_gib"] = (total - free) / 2**30
-            metrics["memory/train_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        # (torch.cuda.max_memory_allocated would mislead here: it counts the sleeping engine's unmapped pool)
 
         # ---- 5. metrics over all ranks, one line per step on rank 0
         metrics.update(step_metrics(rollouts, rewards, per_func, group_std, sums, maxes, device, world))
@@ -988,8 +987,9 @@ def step_timings(t: dict, step_s: float, num_tokens: float, num_samples: int) ->
 def benchmark_generation(llm, prompt_ids, sampling, tp_group, tp: int, repeats: int, loop_tok_s: list,
                          device) -> dict:
     """The ceiling for the generation phase: the same engine generating the last step's batch `repeats`
-    times back to back (no sleep, wake or weight push in between). Compared with the loop's generation
-    throughput (median over steps, the first excluded: it includes start-up effects)."""
+    times back to back (no sleep, wake or weight push in between), compared with the loop's throughput on
+    that same batch. (Throughput depends on the batch: its longest completion sets the number of decode
+    steps, so compare like with like; the loop's median over all steps is logged beside it.)"""
     rates = []
     for _ in range(repeats):
         timer = PhaseTimer(sync=device.type == "cuda")
@@ -997,12 +997,12 @@ def benchmark_generation(llm, prompt_ids, sampling, tp_group, tp: int, repeats: 
         n = all_reduce_dict({"tokens": sum(len(o.token_ids) for out in outs for o in out.outputs)}, device)["tokens"]
         rates.append(n / (timer.t["generate"] + timer.t["exchange"]))
     loop = sorted(loop_tok_s[1:] or loop_tok_s)
-    loop_median = loop[len(loop) // 2] if loop else float("nan")
-    ceiling = sorted(rates)[len(rates) // 2]
-    print0(f"generation: {loop_median:.0f} tok/s in the loop vs {ceiling:.0f} tok/s for the engine alone "
-           f"({100 * loop_median / ceiling:.0f}% of the ceiling)")
-    return {"bench/generate_tokens_per_sec": ceiling, "bench/loop_generate_tokens_per_sec": loop_median,
-            "bench/loop_fraction_of_ceiling": loop_median / ceiling}
+    ceiling, last = sorted(rates)[len(rates) // 2], loop_tok_s[-1]
+    print0(f"generation of the last batch: {last:.0f} tok/s in the loop vs {ceiling:.0f} tok/s for the engine "
+           f"alone ({100 * last / ceiling:.0f}% of the ceiling; repeats {', '.join(f'{r:.0f}' for r in rates)})")
+    return {"bench/generate_tokens_per_sec": ceiling, "bench/repeats_tokens_per_sec": rates,
+            "bench/loop_generate_tokens_per_sec": last, "bench/loop_fraction_of_ceiling": last / ceiling,
+            "bench/loop_median_generate_tokens_per_sec": loop[len(loop) // 2]}
 
 
 def log_metrics(m: dict, path: str) -> None:
