@@ -169,8 +169,8 @@ class Config:
     """after training, time this many back-to-back generations of the last batch with the engine alone (the ceiling)"""
     plot: str = ""
     """draw the curves of a metrics.jsonl into a PNG beside it and exit (needs matplotlib; no training)"""
-    debug_weight_sync_fault: str = "none"
-    """tests only: none, skip_push, or reload_from_disk (TRL #5312's bug) to prove the sync check fires"""
+    debug_fault: str = "none"
+    """tests only, from step 1 on: skip_push or reload_from_disk (TRL #5312's bug) prove the sync check fires; nan_loss (last rank) proves the run stops cleanly"""
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -187,6 +187,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
         conv = (lambda s: s.lower() in ("1", "true", "yes")) if kind is bool else kind
         p.add_argument(f"--{name}", type=conv, default=default, help=f"{docs.get(name, '')} (default: {default})")
     return Config(**vars(p.parse_args(argv)))
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/inf loss or gradient: the run stops (on every rank) before it can save corrupt weights."""
 
 
 class ConfigError(ValueError):
@@ -262,8 +266,17 @@ def load_rows(cfg: Config) -> list[dict]:
     if cfg.dataset.endswith(".jsonl"):
         if not os.path.isfile(cfg.dataset):
             raise ConfigError(f"--dataset {cfg.dataset}: no such file")
+        raw = []
         with open(cfg.dataset) as f:
-            raw = [json.loads(line) for line in f if line.strip()]
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        raw.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ConfigError(f"--dataset {cfg.dataset}, line {n}: not valid JSON ({e.msg}); "
+                                          "expected one object per line") from None
+        if not raw:
+            raise ConfigError(f"--dataset {cfg.dataset}: the file has no rows")
     else:
         try:
             import datasets
@@ -272,9 +285,9 @@ def load_rows(cfg: Config) -> list[dict]:
         raw = datasets.load_dataset(cfg.dataset, cfg.dataset_config or None, split=cfg.dataset_split)
     rows = []
     for r in raw:
-        if cfg.prompt_field not in r or cfg.answer_field not in r:
+        if not isinstance(r, dict) or cfg.prompt_field not in r or cfg.answer_field not in r:
             raise ConfigError(f"--dataset {cfg.dataset}: rows need the fields --prompt_field {cfg.prompt_field!r} "
-                              f"and --answer_field {cfg.answer_field!r}; found {sorted(r)}")
+                              f"and --answer_field {cfg.answer_field!r}; found {sorted(r) if isinstance(r, dict) else type(r).__name__}")
         answer = str(r[cfg.answer_field]).split("####")[-1].strip()
         rows.append({"prompt": str(r[cfg.prompt_field]), "answer": answer})
     return rows
@@ -626,6 +639,13 @@ def chat_prompt_ids(tokenizer, question: str, max_len: int) -> list[int]:
     return list(ids)[-max_len:]  # cut from the left: the question's end and the assistant header survive
 
 
+def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[list[int]], int]:
+    """Token ids of each chat prompt, cut from the left to max_len, and how many had to be cut (a long prompt
+    is shortened here, with a count in the metrics, rather than rejected deep inside vLLM)."""
+    full = [chat_prompt_ids(tokenizer, q, 10**9) for q in questions]
+    return [ids[-max_len:] for ids in full], sum(len(ids) > max_len for ids in full)
+
+
 def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
                       device, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer log-probs and entropies of each completion's tokens -> two [B, T_max] tensors (0 past the end).
@@ -673,10 +693,51 @@ def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs)
     return r
 
 
-def score(r: Rollouts, names: list[str], weights: list[float]) -> tuple[torch.Tensor, dict]:
-    """Weighted total reward [B] and each reward function's values."""
-    per_func = {n: torch.tensor(REWARD_FUNCS[n](r.texts, r.answers), dtype=torch.float32) for n in names}
-    return sum(w * per_func[n] for n, w in zip(names, weights)), per_func
+def safe_rewards(fn, texts: list[str], answers: list[str]) -> tuple[list[float], list[str]]:
+    """fn's rewards, where a sample whose reward raises or is not a finite number gets 0 instead of ending the
+    run (user reward code meets model output nobody has seen). Returns the rewards and what went wrong."""
+    try:
+        values = list(fn(texts, answers))
+        if len(values) != len(texts):
+            raise ValueError(f"returned {len(values)} rewards for {len(texts)} completions")
+    except Exception:  # find the sample(s) responsible: score one at a time
+        values = []
+        for t, a in zip(texts, answers):
+            try:
+                values.append(fn([t], [a])[0])
+            except Exception as e:
+                values.append(f"{type(e).__name__}: {e}")
+    out, problems = [], []
+    for v in values:
+        try:
+            ok = not isinstance(v, str) and math.isfinite(float(v))
+        except (TypeError, ValueError):
+            ok = False
+        out.append(float(v) if ok else 0.0)
+        if not ok:
+            problems.append(v if isinstance(v, str) else f"returned {v!r}")
+    return out, problems
+
+
+def score(r: Rollouts, names: list[str], weights: list[float]) -> tuple[torch.Tensor, dict, int]:
+    """Weighted total reward [B], each reward function's values, and how many samples' rewards failed."""
+    per_func, failures = {}, 0
+    for n in names:
+        values, problems = safe_rewards(REWARD_FUNCS[n], r.texts, r.answers)
+        per_func[n] = torch.tensor(values, dtype=torch.float32)
+        failures += len(problems)
+        if problems:
+            print(f"warning: rank {RANK}: reward {n!r} failed for {len(problems)} of {len(values)} samples, scored 0 "
+                  f"(first: {problems[0][:200]})", flush=True)
+    return sum(w * per_func[n] for n, w in zip(names, weights)), per_func, failures
+
+
+def check_finite(value: float, what: str, device) -> None:
+    """Raise NonFiniteError on every rank if `value` is NaN/inf on any of them (one tiny all_reduce): all
+    ranks must stop together, or the healthy ones wait forever in ZeRO-3's next collective."""
+    bad = all_reduce_dict({"bad": 0.0 if math.isfinite(value) else 1.0}, device)["bad"]
+    if bad:
+        raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s)")
 
 
 def all_reduce_dict(d: dict, device, op=dist.ReduceOp.SUM) -> dict:
@@ -694,7 +755,7 @@ def global_std(x: torch.Tensor, device) -> torch.Tensor:
 
 
 def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: Config, device, pad_id: int,
-                      world: int, timer: PhaseTimer | None = None) -> tuple[dict, dict]:
+                      world: int, timer: PhaseTimer | None = None, nan_loss: bool = False) -> tuple[dict, dict]:
     """num_iterations optimizer steps over the rollouts, each accumulating gradient_accumulation_steps
     micro-batches. Returns this rank's sums and maxima for the step metrics."""
     timer = timer or PhaseTimer()
@@ -741,6 +802,9 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
             if device.type == "cuda":  # device-wide use with this micro-batch's activations alive (the peak)
                 free, total = torch.cuda.mem_get_info()
                 maxes["train_peak_used_gib"] = max(maxes["train_peak_used_gib"], (total - free) / 2**30)
+            if nan_loss:  # --debug_fault nan_loss
+                loss = loss * float("nan")
+            check_finite(loss.item(), "loss", device)  # before backward: the weights are still good
             with timer("backward"):
                 engine.backward(loss, scale_wrt_gas=False)  # our denominators already account for accumulation
             with timer("optimizer"):
@@ -782,7 +846,8 @@ def step_metrics(r: Rollouts, rewards, per_func: dict, group_std, sums: dict, ma
             "clip_ratio/low": S["clip_ratio/low"] / ntok, "clip_ratio/high": S["clip_ratio/high"] / ntok,
             "sampling/logp_diff_mean": S["logp_diff"] / ntok, "sampling/logp_diff_max": M["logp_diff_max"],
             "sampling/is_ratio_mean": S["is_ratio"] / ntok, "sampling/is_ratio_max": M["is_ratio_max"],
-            "sampling/is_ratio_min": -M["neg_is_ratio_min"], "num_tokens": S["tokens"], **mem}
+            "sampling/is_ratio_min": -M["neg_is_ratio_min"], "num_tokens": S["tokens"],
+            "rewards/failures": S.get("reward_failures", 0.0), "prompts/truncated": S.get("prompts_truncated", 0.0), **mem}
 
 
 def validate(cfg: Config, world: int, on_gpu: bool) -> None:
@@ -794,6 +859,21 @@ def validate(cfg: Config, world: int, on_gpu: bool) -> None:
     if per_rank % cfg.num_generations:
         raise ConfigError(f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} must be a "
                           f"multiple of --num_generations {cfg.num_generations} (whole groups per rank)")
+    if not 0 < cfg.vllm_gpu_memory_utilization < 1:
+        raise ConfigError(f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must be in (0, 1), "
+                          "the share of GPU memory vLLM may take while awake (e.g. 0.3)")
+    if cfg.epsilon <= 0 or cfg.epsilon_high < 0:
+        raise ConfigError(f"--epsilon {cfg.epsilon} / --epsilon_high {cfg.epsilon_high}: the clip range must be > 0 "
+                          "(e.g. 0.2; epsilon_high 0 means the same as epsilon)")
+    if cfg.temperature < 0.01:  # vLLM silently raises lower temperatures to 0.01: the trainer would disagree
+        raise ConfigError(f"--temperature {cfg.temperature}: GRPO samples, and vLLM treats anything below 0.01 as "
+                          "0.01; use >= 0.01 (e.g. 1.0)")
+    if min(cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps, cfg.max_prompt_length,
+           cfg.max_completion_length, cfg.num_iterations) < 1:
+        raise ConfigError("--per_device_train_batch_size, --gradient_accumulation_steps, --max_prompt_length, "
+                          "--max_completion_length and --num_iterations must all be >= 1")
+    if cfg.debug_fault not in ("none", "skip_push", "reload_from_disk", "nan_loss"):
+        raise ConfigError(f"--debug_fault {cfg.debug_fault}: none, skip_push, reload_from_disk or nan_loss")
     if cfg.scale_rewards not in ("group", "batch", "none"):
         raise ConfigError(f"--scale_rewards {cfg.scale_rewards}: expected group, batch or none")
     if cfg.loss_type not in ("grpo", "dr_grpo", "dapo"):
@@ -810,17 +890,83 @@ def validate(cfg: Config, world: int, on_gpu: bool) -> None:
                           "unset it or pass --vllm_enable_sleep_mode false")
 
 
-def resolve_model(cfg: Config) -> str:
-    """--model as a local folder; "smollm2" is built once per machine (local rank 0), the others wait."""
+def resolve_model(cfg: Config, build: bool) -> str:
+    """--model as a local folder (or hub id); "smollm2" is built once per machine, by local rank 0 (build=True)."""
     if cfg.model != "smollm2":
         return cfg.model
     cache = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")),
                          "SmolLM2-135M-Instruct")
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    if build:
         os.makedirs(os.path.dirname(cache), exist_ok=True)
         prepare_default_model(cache)
-    dist.barrier()
     return cache
+
+
+def validate_model(cfg: Config, model_path: str):
+    """The model's config, checked against the run: a causal LM, heads that split over TP, long enough context."""
+    from transformers import AutoConfig
+    try:
+        mcfg = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model {model_path}: not a model folder with a config.json, and not a model id that can be "
+                          f"loaded here ({str(e).splitlines()[0][:160]})") from None
+    archs = getattr(mcfg, "architectures", None) or []
+    if not any(a.endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"--model {model_path}: architectures {archs} is not a causal LM (*ForCausalLM); GRPO needs one")
+    tp, heads = cfg.vllm_tensor_parallel_size, mcfg.num_attention_heads
+    kv = getattr(mcfg, "num_key_value_heads", None) or heads
+    if heads % tp or (kv % tp and tp % kv):
+        raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split the model's {heads} attention / {kv} KV "
+                          f"heads; use a TP size that divides {heads}")
+    ctx = getattr(mcfg, "max_position_embeddings", None)
+    if ctx and cfg.max_prompt_length + cfg.max_completion_length > ctx:
+        raise ConfigError(f"--max_prompt_length {cfg.max_prompt_length} + --max_completion_length "
+                          f"{cfg.max_completion_length} exceeds the model's context ({ctx} tokens)")
+    return mcfg
+
+
+def check_output_dir(path: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, ".write_test"), "w") as f:
+            f.write("ok")
+        os.remove(os.path.join(path, ".write_test"))
+    except OSError as e:
+        raise ConfigError(f"--output_dir {path}: not writable ({e.strerror}); pick a folder you can write to") from None
+
+
+def agree(check) -> object:
+    """Run check() on every rank and share the verdicts (all_gather_object), so that when any rank fails
+    every rank raises the same ConfigError and exits: a rank that passed must not be left waiting in the
+    next collective for one that stopped. Returns check()'s result."""
+    result, err = None, None
+    try:
+        result = check()
+    except ConfigError as e:
+        err = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, err)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        r, e = bad[0]
+        raise ConfigError(e if all(x == e for _, x in bad) and len(bad) == len(errors) else f"{e} (on rank {r})")
+    return result
+
+
+def preflight(cfg: Config, world: int, on_gpu: bool) -> tuple:
+    """Every check that needs no GPU work, before anything heavy starts, with one verdict for all ranks."""
+    def local():  # config alone; local rank 0 also builds the default model once per machine
+        validate(cfg, world, on_gpu)
+        return resolve_model(cfg, build=int(os.environ.get("LOCAL_RANK", 0)) == 0)
+    model_path = agree(local)  # (the all_gather is also the barrier after the build)
+
+    def with_model():
+        mcfg = validate_model(cfg, model_path)
+        source = PromptSource(cfg)
+        if RANK == 0:  # rank 0 writes metrics and saves
+            check_output_dir(cfg.output_dir)
+        return mcfg, source
+    return (model_path, *agree(with_model))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -837,19 +983,22 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
     try:
         train(cfg, device)
-    except ConfigError as e:  # one line per rank, no traceback; torchrun then stops the other ranks
+    except ConfigError as e:  # one line per rank, no traceback; every rank has the same verdict (agree)
         print(f"error: {e}", flush=True)
         sys.exit(2)
+    except NonFiniteError as e:
+        print(f"error: {e}", flush=True)
+        sys.exit(3)
 
 
 def train(cfg: Config, device: torch.device) -> None:
     import deepspeed
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
     from vllm import SamplingParams
     from tqdm import tqdm
 
     on_gpu, world, tp = device.type == "cuda", dist.get_world_size(), cfg.vllm_tensor_parallel_size
-    validate(cfg, world, on_gpu)
+    model_path, mcfg, source = preflight(cfg, world, on_gpu)
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
     names, weights = cfg.reward_funcs.split(","), [float(w) for w in cfg.reward_weights.split(",")]
     sleep_mode = cfg.vllm_enable_sleep_mode and on_gpu
@@ -857,14 +1006,8 @@ def train(cfg: Config, device: torch.device) -> None:
         print0("note: vLLM sleep mode is CUDA-only; on CPU the engine stays awake (same code path otherwise)")
     dtype = {"auto": torch.bfloat16 if on_gpu else torch.float32, "bfloat16": torch.bfloat16,
              "float32": torch.float32}[cfg.dtype]
-    model_path = resolve_model(cfg)
-    mcfg = AutoConfig.from_pretrained(model_path)
-    if mcfg.num_attention_heads % tp or (mcfg.num_key_value_heads % tp and tp % mcfg.num_key_value_heads):
-        raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split the model's {mcfg.num_attention_heads} "
-                          f"attention / {mcfg.num_key_value_heads} KV heads")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    source = PromptSource(cfg)
     torch.manual_seed(cfg.seed)
 
     # ---- TP groups, the vLLM engine, the DeepSpeed engine
@@ -904,14 +1047,14 @@ def train(cfg: Config, device: torch.device) -> None:
     def evaluate() -> dict:
         """Greedy accuracy on the fixed eval set, split over ranks (vLLM must be awake)."""
         rows = source.eval_rows[RANK::world]
-        outs = generate(llm, [chat_prompt_ids(tokenizer, x["prompt"], cfg.max_prompt_length) for x in rows],
+        outs = generate(llm, encode_prompts(tokenizer, [x["prompt"] for x in rows], cfg.max_prompt_length)[0],
                         greedy, tp_group, tp)
         texts, answers = [o.outputs[0].text for o in outs], [x["answer"] for x in rows]
         s = all_reduce_dict({"acc": sum(correctness_reward(texts, answers)), "fmt": sum(format_reward(texts, answers)),
                              "n": len(rows)}, device)
         return {"eval/accuracy": s["acc"] / s["n"], "eval/format": s["fmt"] / s["n"]}
 
-    gen_tok_s, prompt_ids = [], None  # the loop's generation throughput, to compare with the standalone benchmark at the end
+    gen_tok_s, prompt_ids, warned_truncation = [], None, False  # the loop's generation throughput, to compare with the standalone benchmark at the end
     for step in tqdm(range(cfg.max_steps + 1), disable=RANK != 0, desc="grpo", dynamic_ncols=True):
         metrics, timer, t_step = {"step": step}, PhaseTimer(sync=on_gpu), time.perf_counter()
         last = step == cfg.max_steps  # the extra last round only evaluates the final weights
@@ -919,7 +1062,8 @@ def train(cfg: Config, device: torch.device) -> None:
         if last and not (do_eval or cfg.benchmark_generation):
             break
         # ---- 1. vLLM gets the current weights (at step 0 too, so the sync check covers every step)
-        push_weights_to_vllm(llm, engine.module, sleep_mode, cfg.debug_weight_sync_fault if step else "none", timer)
+        fault = cfg.debug_fault if step else "none"
+        push_weights_to_vllm(llm, engine.module, sleep_mode, fault, timer)
         if do_eval:
             with timer("eval"):
                 metrics.update(evaluate())
@@ -935,7 +1079,11 @@ def train(cfg: Config, device: torch.device) -> None:
 
         # ---- 2. generate G completions for each of this rank's prompts, then free vLLM's memory
         examples = prompts_for_step(source, step, per_rank // cfg.num_generations, world)
-        prompt_ids = [chat_prompt_ids(tokenizer, ex["prompt"], cfg.max_prompt_length) for ex in examples]
+        prompt_ids, truncated = encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
+        if truncated and not warned_truncation:
+            print(f"warning: rank {RANK}: {truncated} prompts longer than --max_prompt_length {cfg.max_prompt_length} "
+                  "tokens were cut from the left (counted every step in prompts/truncated)", flush=True)
+            warned_truncation = True
         rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp, timer))
         if on_gpu:
             free, total = torch.cuda.mem_get_info()
@@ -948,17 +1096,24 @@ def train(cfg: Config, device: torch.device) -> None:
 
         # ---- 3. rewards -> group-relative advantages
         with timer("reward"):
-            rewards, per_func = score(rollouts, names, weights)
+            rewards, per_func, reward_failures = score(rollouts, names, weights)
             batch_std = global_std(rewards, device) if cfg.scale_rewards == "batch" else None
             advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards, batch_std)
 
         # ---- 4. policy update
-        sums, maxes = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world, timer)
+        try:
+            sums, maxes = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world, timer,
+                                            nan_loss=fault == "nan_loss" and RANK == world - 1)
+        except NonFiniteError as e:
+            raise NonFiniteError(f"step {step}: {e}; stopped before the update, nothing saved {last_save(cfg)}")
         # (torch.cuda.max_memory_allocated would mislead here: it counts the sleeping engine's unmapped pool)
 
         # ---- 5. metrics over all ranks, one line per step on rank 0
+        sums.update({"reward_failures": reward_failures, "prompts_truncated": truncated})
         metrics.update(step_metrics(rollouts, rewards, per_func, group_std, sums, maxes, device, world))
-        metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+        metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)  # global: the same on every rank
+        if not math.isfinite(metrics["grad_norm"]):
+            raise NonFiniteError(f"step {step}: non-finite gradient norm; stopped, nothing saved {last_save(cfg)}")
         metrics.update(step_timings(timer.t, time.perf_counter() - t_step, metrics["num_tokens"], world * per_rank))
         gen_tok_s.append(metrics["generate_tokens_per_sec"])
         log_metrics(metrics, log_path)
@@ -968,6 +1123,12 @@ def train(cfg: Config, device: torch.device) -> None:
     save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))  # vLLM is asleep here
     print0(f"saved {os.path.join(cfg.output_dir, 'final')}")
     dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
+
+
+def last_save(cfg: Config) -> str:
+    saved = sorted((d for d in os.listdir(cfg.output_dir) if d.startswith("checkpoint-")),
+                   key=lambda d: int(d.split("-")[1]))
+    return f"(last good save: {os.path.join(cfg.output_dir, saved[-1])})" if saved else "(no earlier save)"
 
 
 def step_timings(t: dict, step_s: float, num_tokens: float, num_samples: int) -> dict:

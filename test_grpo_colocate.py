@@ -290,6 +290,145 @@ def test_tp_exchange_keeps_prompts_aligned(world, tp):
         assert everything == [[r, j, 100 + r] for r in group for j in range(r + 1)]
 
 
+# ------------------------------------------------------------------------------------------ bad input, faults
+@pytest.mark.parametrize("override,world,message", [
+    ({"vllm_tensor_parallel_size": 3}, 2, "must divide the number of processes (2)"),
+    ({"per_device_train_batch_size": 3, "gradient_accumulation_steps": 1, "num_generations": 2}, 1, "multiple of --num_generations 2"),
+    ({"num_generations": 1, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}, 1, "at least 2 completions"),
+    ({"vllm_gpu_memory_utilization": 0.0}, 1, "must be in (0, 1)"),
+    ({"vllm_gpu_memory_utilization": 1.5}, 1, "must be in (0, 1)"),
+    ({"epsilon": 0.0}, 1, "clip range must be > 0"),
+    ({"epsilon": -0.2}, 1, "clip range must be > 0"),
+    ({"loss_type": "ppo"}, 1, "--loss_type ppo: expected grpo, dr_grpo or dapo"),
+    ({"scale_rewards": "std"}, 1, "--scale_rewards std: expected group, batch or none"),
+    ({"reward_funcs": "correctness,nope"}, 1, "--reward_funcs correctness,nope"),
+    ({"temperature": 0.0}, 1, "--temperature 0.0"),
+])
+def test_validation_names_the_option(override, world, message):
+    with pytest.raises(g.ConfigError) as e:
+        g.validate(g.Config(**override), world, on_gpu=False)
+    assert message in str(e.value)
+
+
+def test_validation_expandable_segments_with_sleep_mode(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(g.ConfigError, match="expandable_segments:True breaks vLLM's sleep-mode allocator"):
+        g.validate(g.Config(), 1, on_gpu=True)
+    g.validate(g.Config(vllm_enable_sleep_mode=False), 1, on_gpu=True)  # fine without sleep mode
+    g.validate(g.Config(), 1, on_gpu=False)  # and on CPU, where there is no sleep mode (a note, not an error)
+
+
+def test_validate_model(tmp_path):
+    from transformers import LlamaConfig
+    def folder(name, **kw):
+        LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, max_position_embeddings=2048,
+                    architectures=["LlamaForCausalLM"], **kw).save_pretrained(tmp_path / name)
+        return str(tmp_path / name)
+    ok = folder("ok")
+    assert g.validate_model(g.Config(), ok).num_attention_heads == 9
+    with pytest.raises(g.ConfigError, match="cannot split the model's 9 attention / 3 KV heads"):
+        g.validate_model(g.Config(vllm_tensor_parallel_size=2), ok)
+    with pytest.raises(g.ConfigError, match=r"--max_prompt_length 2000 \+ --max_completion_length 128 exceeds the model's context \(2048"):
+        g.validate_model(g.Config(max_prompt_length=2000), ok)
+    with pytest.raises(g.ConfigError, match="not a model folder"):
+        g.validate_model(g.Config(), str(tmp_path / "missing"))
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(g.ConfigError, match="is not a causal LM"):
+        g.validate_model(g.Config(), str(tmp_path / "bert"))
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "no such file"),
+    ("", "has no rows"),
+    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": 2\n', "line 2: not valid JSON"),
+    ('{"question": "a", "answer": "1"}\n', "rows need the fields --prompt_field 'prompt'"),
+    ('["a", "1"]\n', "rows need the fields"),
+])
+def test_dataset_errors(tmp_path, content, message):
+    path = tmp_path / "data.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(g.ConfigError, match=message):
+        g.load_rows(g.Config(dataset=str(path)))
+
+
+def test_unwritable_output_dir(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(g.ConfigError, match="--output_dir .* not writable"):
+        g.check_output_dir(str(tmp_path / "a_file" / "run"))  # (a permission check would pass as root)
+    g.check_output_dir(str(tmp_path / "ok" / "run"))
+    assert os.listdir(tmp_path / "ok" / "run") == []  # leaves nothing behind
+
+
+def _agree_worker(rank, world, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = []
+
+    def check():  # only rank 1 finds a problem (a file it cannot read, a full disk...)
+        if rank == 1:
+            raise g.ConfigError("--dataset x.jsonl: no such file")
+        return "fine"
+    try:
+        g.agree(check)
+        out.append("passed")
+    except g.ConfigError as e:
+        out.append(str(e))
+    out.append(g.agree(lambda: rank * 10))  # all pass: each rank gets its own result back
+    try:  # a NaN loss on one rank only stops every rank
+        g.check_finite(float("nan") if rank == 0 else 1.0, "loss", torch.device("cpu"))
+        out.append("passed")
+    except g.NonFiniteError as e:
+        out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_every_rank_stops_when_one_fails():
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_agree_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(q.get(timeout=120) for _ in range(2))
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    for rank in (0, 1):
+        assert results[rank][0] == "--dataset x.jsonl: no such file (on rank 1)"
+        assert results[rank][1] == rank * 10
+        assert results[rank][2] == "non-finite loss on 1 rank(s)"
+
+
+def test_a_failing_reward_scores_zero_and_is_counted(monkeypatch, capsys):
+    def picky(completions, answers):  # raises on one sample, NaN on another, None on a third
+        out = []
+        for c in completions:
+            if c == "boom":
+                raise ValueError("cannot parse")
+            out.append(float("nan") if c == "nan" else None if c == "none" else 1.0)
+        return out
+    values, problems = g.safe_rewards(picky, ["ok", "boom", "nan", "none", "ok"], ["1"] * 5)
+    assert values == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert len(problems) == 3 and "ValueError: cannot parse" in problems[0]
+    # a batch call returning the wrong number of rewards falls back to scoring one sample at a time
+    assert g.safe_rewards(lambda c, a: [1.0], ["x", "y"], ["1", "2"]) == ([1.0, 1.0], [])
+    monkeypatch.setitem(g.REWARD_FUNCS, "picky", picky)
+    r = g.Rollouts(texts=["ok", "boom", "<answer>1</answer>"], answers=["1", "1", "1"])
+    total, per_func, failures = g.score(r, ["picky", "correctness"], [1.0, 2.0])
+    assert failures == 1 and total.tolist() == [1.0, 0.0, 3.0]
+    assert "reward 'picky' failed for 1 of 3 samples, scored 0 (first: ValueError: cannot parse)" in capsys.readouterr().out
+
+
+def test_long_prompts_are_cut_and_counted():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    full = len(g.chat_prompt_ids(tok, "What is 2 + 3?", 10**9))
+    ids, cut = g.encode_prompts(tok, ["What is 2 + 3?", "What is 2 + 3? " * 40], full + 5)
+    assert cut == 1 and len(ids[0]) == full and len(ids[1]) == full + 5
+    assert ids[1][-6:] == ids[0][-6:]  # the end (question tail + assistant header) survives
+
+
 # ------------------------------------------------------------------------------------------ end to end
 def smollm2_path():
     cache = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")), "SmolLM2-135M-Instruct")
@@ -352,6 +491,7 @@ def test_e2e_data_parallel_smollm2(tp1_run):
     assert rc == 0, log[-4000:]
     assert_trained_and_in_sync(metrics, smollm2_path(), out / "final")
     assert "step    1 | reward" in log  # the human-readable line per step
+    assert "note: vLLM sleep mode is CUDA-only" in log  # asked for (the default) where there is none: a note, no crash
     for m in (m for m in metrics if "loss" in m):  # every phase of the step is timed and adds up
         phases = sum(m[f"time/{k}"] for k in ("exchange", "generate", "push", "reward", "logprob", "backward", "optimizer"))
         assert 0 < phases <= m["time/step"] and m["time/train"] > 0 and m["time/push"] > 0, m
@@ -381,7 +521,7 @@ def test_e2e_stale_weights_are_detected(tp1_run, tmp_path, fault):
     which reloads the checkpoint from disk); skip_push never updates the engine. The same sync check must
     flag both. Starting from the folder the previous run saved also proves vLLM and DeepSpeed load it."""
     _, _, _, prev = tp1_run
-    rc, log, metrics = torchrun(E2E + ["--model", str(prev / "final"), "--debug_weight_sync_fault", fault], tmp_path)
+    rc, log, metrics = torchrun(E2E + ["--model", str(prev / "final"), "--debug_fault", fault], tmp_path)
     assert rc == 0, log[-4000:]
     train = [m for m in metrics if "loss" in m]
     assert train[0]["sampling/logp_diff_mean"] < 1e-3  # step 0: nothing trained yet, disk == trainer
@@ -428,7 +568,44 @@ def test_e2e_tensor_parallel_2(tiny_tp_model, tmp_path):
 
 def test_bad_tp_size_fails_cleanly_on_every_rank(tmp_path):
     rc, log, _ = torchrun(["--vllm_tensor_parallel_size", "3"], tmp_path, timeout=300)
-    assert rc != 0
-    assert "error: --vllm_tensor_parallel_size 3 must divide the number of processes (2)" in log
+    assert rc != 0 and "exitcode  : 2" in log, log[-3000:]  # torchrun exits 1 and names our exit code
+    # the ranks agree before anyone stops: each prints the one line (no rank is left in a collective)
+    assert log.count("error: --vllm_tensor_parallel_size 3 must divide the number of processes (2)\n") == 2, log[-3000:]
     assert 'grpo_colocate.py", line' not in log  # no traceback from our ranks (torchrun prints its own summary)
-    assert "exitcode: 2" in log or "exitcode  : 2" in log  # torchrun stops the other rank once one has exited
+
+
+def test_bad_dataset_fails_cleanly_on_every_rank(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": oops}\n')
+    rc, log, _ = torchrun(["--dataset", str(data)], tmp_path / "out", timeout=300)
+    assert rc != 0 and "exitcode  : 2" in log, log[-3000:]
+    assert log.count(f"error: --dataset {data}, line 2: not valid JSON") == 2, log[-3000:]
+    assert 'grpo_colocate.py", line' not in log
+
+
+def test_non_finite_loss_stops_every_rank_and_keeps_the_last_save(tmp_path):
+    """A NaN loss on one rank (injected at step 1) stops both ranks with the step number, before the
+    update, and saves nothing: the checkpoint written after step 0 stays intact and loadable."""
+    rc, log, metrics = torchrun(E2E + ["--max_steps", "3", "--save_steps", "1", "--eval_steps", "0",
+                                       "--debug_fault", "nan_loss"], tmp_path, timeout=600)
+    assert rc != 0 and "exitcode  : 3" in log, log[-3000:]
+    assert log.count(f"error: step 1: non-finite loss on 1 rank(s); stopped before the update, nothing saved "
+                     f"(last good save: {tmp_path / 'checkpoint-1'})") == 2, log[-3000:]
+    assert [m["step"] for m in metrics] == [0]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1", "metrics.jsonl"]
+    weights = load_weights(tmp_path / "checkpoint-1")
+    assert weights and all(torch.isfinite(w.float()).all() for w in weights.values())
+
+
+def test_port_in_use_fails_fast(tmp_path):
+    """Two runs on one port: the second fails at rendezvous with a clear message instead of hanging."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+               os.path.join(HERE, "grpo_colocate.py"), "--output_dir", str(tmp_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=HERE)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "address already in use" in log.lower() or "EADDRINUSE" in log, log[-3000:]
