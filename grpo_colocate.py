@@ -619,15 +619,19 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int, world: int) -> st
     return final
 
 
+def saved_checkpoints(output_dir: str) -> list[str]:
+    """The complete checkpoint-N folders in output_dir, oldest first (a save cut short is still *.tmp)."""
+    done = [d for d in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", d)] if os.path.isdir(output_dir) else []
+    return [os.path.join(output_dir, d) for d in sorted(done, key=lambda d: int(d.split("-")[1]))]
+
+
 def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
     """The checkpoint --resume names -> (folder, step to continue from)."""
     path = cfg.resume
     if path == "latest":
-        done = [d for d in os.listdir(cfg.output_dir) if re.fullmatch(r"checkpoint-\d+", d)] \
-            if os.path.isdir(cfg.output_dir) else []
-        if not done:
+        if not saved_checkpoints(cfg.output_dir):
             raise ConfigError(f"--resume latest: no complete checkpoint-N folder in {cfg.output_dir}")
-        path = os.path.join(cfg.output_dir, max(done, key=lambda d: int(d.split("-")[1])))
+        path = saved_checkpoints(cfg.output_dir)[-1]
     state_file = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(state_file):
         raise ConfigError(f"--resume {cfg.resume}: {path} is not a complete checkpoint (no trainer_state.json)")
@@ -707,16 +711,16 @@ def prompts_for_step(source: PromptSource, step: int, per_rank: int, world_size:
     return [source[base + j] for j in range(per_rank)]
 
 
-def chat_prompt_ids(tokenizer, question: str, max_len: int) -> list[int]:
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids)[-max_len:]  # cut from the left: the question's end and the assistant header survive
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[list[int]], int]:
-    """Token ids of each chat prompt, cut from the left to max_len, and how many had to be cut (a long prompt
-    is shortened here, with a count in the metrics, rather than rejected deep inside vLLM)."""
-    full = [chat_prompt_ids(tokenizer, q, 10**9) for q in questions]
+    """Token ids of each chat prompt, cut from the left to max_len (the question's end and the assistant
+    header survive), and how many had to be cut: a long prompt is shortened here, with a count in the
+    metrics, rather than rejected deep inside vLLM."""
+    full = [chat_prompt_ids(tokenizer, q) for q in questions]
     return [ids[-max_len:] for ids in full], sum(len(ids) > max_len for ids in full)
 
 
@@ -1231,9 +1235,8 @@ def train(cfg: Config, device: torch.device) -> None:
 
 
 def last_save(cfg: Config) -> str:
-    saved = sorted((d for d in os.listdir(cfg.output_dir) if re.fullmatch(r"checkpoint-\d+", d)),
-                   key=lambda d: int(d.split("-")[1]))
-    return f"(last good save: {os.path.join(cfg.output_dir, saved[-1])})" if saved else "(no earlier save)"
+    saved = saved_checkpoints(cfg.output_dir)
+    return f"(last good save: {saved[-1]})" if saved else "(no earlier save)"
 
 
 def step_timings(t: dict, step_s: float, num_tokens: float, num_samples: int) -> dict:

@@ -205,7 +205,8 @@ def test_chat_prompt_is_cut_from_the_left():
     class Tok:
         def apply_chat_template(self, messages, **kw):
             return list(range(100))
-    assert g.chat_prompt_ids(Tok(), "q", 10) == list(range(90, 100))
+    assert g.encode_prompts(Tok(), ["q", "r"], 10) == ([list(range(90, 100))] * 2, 2)
+    assert g.encode_prompts(Tok(), ["q"], 100) == ([list(range(100))], 0)
 
 
 # ------------------------------------------------------------------------------------------ config, plumbing
@@ -426,7 +427,7 @@ def test_a_failing_reward_scores_zero_and_is_counted(monkeypatch, capsys):
 def test_long_prompts_are_cut_and_counted():
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2_path())
-    full = len(g.chat_prompt_ids(tok, "What is 2 + 3?", 10**9))
+    full = len(g.chat_prompt_ids(tok, "What is 2 + 3?"))
     ids, cut = g.encode_prompts(tok, ["What is 2 + 3?", "What is 2 + 3? " * 40], full + 5)
     assert cut == 1 and len(ids[0]) == full and len(ids[1]) == full + 5
     assert ids[1][-6:] == ids[0][-6:]  # the end (question tail + assistant header) survives
