@@ -629,9 +629,10 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
     """The checkpoint --resume names -> (folder, step to continue from)."""
     path = cfg.resume
     if path == "latest":
-        if not saved_checkpoints(cfg.output_dir):
+        saved = saved_checkpoints(cfg.output_dir)
+        if not saved:
             raise ConfigError(f"--resume latest: no complete checkpoint-N folder in {cfg.output_dir}")
-        path = saved_checkpoints(cfg.output_dir)[-1]
+        path = saved[-1]
     state_file = os.path.join(path, "trainer_state.json")
     if not os.path.isfile(state_file):
         raise ConfigError(f"--resume {cfg.resume}: {path} is not a complete checkpoint (no trainer_state.json)")
@@ -1192,6 +1193,7 @@ def train(cfg: Config, device: torch.device) -> None:
             with timer("sleep"):
                 llm.sleep(level=2)
                 torch.cuda.empty_cache()
+        if step == start_step:  # the start-up memory figures, once
             metrics.update(mem)
 
         # ---- 3. rewards -> group-relative advantages

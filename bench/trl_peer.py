@@ -1,0 +1,80 @@
+"""The peer in README "Performance": TRL's GRPOTrainer (tested: TRL 1.16.0) on exactly grpo_colocate.py's task
+and settings -- the same chat prompts (system prompt + few-shot), reward functions and weights, completions per
+step, completion length, optimizer, ZeRO-3 config (ds_zero3.json), vLLM memory share and sleep level 2 -- so that
+the two step times compare like for like. Needs `pip install trl datasets` beside requirements.txt.
+
+  colocate, 1 GPU:  MODEL=path STEPS=20 BS=16 GAS=2 G=8 MAXTOK=128 torchrun --nproc_per_node 1 bench/trl_peer.py
+    (= grpo_colocate.py --model path --max_steps 20 --per_device_train_batch_size 16 --gradient_accumulation_steps 2
+       --num_generations 8 --max_completion_length 128)
+  server mode:      CUDA_VISIBLE_DEVICES=1 trl vllm-serve --model path &   then MODE=server CUDA_VISIBLE_DEVICES=0 ...
+env: MODEL, STEPS, BS (completions per micro-batch), GAS, G, MAXTOK, LR (1e-5), MODE (colocate|server), DS (1: ZeRO-3),
+SLEEP (1), GC (0: gradient checkpointing), OUTJ (append the result line to this file).
+Prints one line `TRLPEER {json}`: the seconds of every optimizer step (= one generation round) and the median
+over steps 2..N, as samples per second."""
+import json, os, random, statistics, sys, time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # grpo_colocate
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+import grpo_colocate as g
+
+E = os.environ
+STEPS, BS, GAS, G = int(E.get("STEPS", "8")), int(E.get("BS", "16")), int(E.get("GAS", "2")), int(E.get("G", "8"))
+MAXTOK = int(E.get("MAXTOK", "128"))
+rows = []  # grpo_colocate's training stream: example i from its own seeded RNG
+for i in range(4000):
+    p = g.arithmetic_problem(random.Random(f"0:{i}"))
+    rows.append({"prompt": [{"role": "system", "content": g.SYSTEM_PROMPT}, *g.FEW_SHOT, {"role": "user", "content": p["prompt"]}],
+                 "answer": p["answer"]})
+
+
+def wrap(fn):
+    def r(completions, answer, **kw):
+        return fn([c[0]["content"] for c in completions], answer)
+    r.__name__ = fn.__name__
+    return r
+
+
+class StepClock(TrainerCallback):
+    def __init__(self):
+        self.t = []
+
+    def on_step_end(self, args, state, control, **kw):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t.append(time.perf_counter())
+
+
+args = GRPOConfig(
+    output_dir=E.get("OUT_DIR", "/tmp/trl_peer"), max_steps=STEPS, per_device_train_batch_size=BS, gradient_accumulation_steps=GAS,
+    num_generations=G, max_completion_length=MAXTOK, temperature=1.0, learning_rate=float(E.get("LR", "1e-5")),
+    adam_beta2=0.99, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.0, loss_type="dapo", gradient_checkpointing=E.get("GC", "0") == "1",
+    bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
+    use_vllm=True, vllm_mode=E.get("MODE", "colocate"), vllm_gpu_memory_utilization=0.3,
+    vllm_enable_sleep_mode=E.get("SLEEP", "1") == "1", vllm_max_model_length=256 + MAXTOK,
+    reward_weights=[1.0, 0.5], deepspeed=(os.path.join(sys.path[0], "ds_zero3.json") if E.get("DS", "1") == "1" else None))
+clock = StepClock()
+tr = GRPOTrainer(model=E["MODEL"], reward_funcs=[wrap(g.correctness_reward), wrap(g.format_reward)], args=args,
+                 train_dataset=Dataset.from_list(rows), callbacks=[clock])
+t0 = time.perf_counter()
+tr.train()
+wall = time.perf_counter() - t0
+if tr.accelerator.is_main_process:
+    d = [b - a for a, b in zip(clock.t, clock.t[1:])]
+    med = statistics.median(d[1:] if len(d) > 2 else d)
+    world = tr.accelerator.num_processes
+    samples = BS * GAS * world
+    dsp = tr.accelerator.state.deepspeed_plugin
+    out = dict(zero_stage=dsp.zero_stage if dsp else None, gc=args.gradient_checkpointing, mode=args.vllm_mode, ds=E.get("DS", "1"), model=E["MODEL"], steps=STEPS, samples_per_step=samples,
+               maxtok=MAXTOK, world=world, train_wall_s=round(wall, 1), step_s=[round(x, 3) for x in d],
+               median_step_s=round(med, 3), samples_per_s=round(samples / med, 2),
+               )
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    if logs:
+        out["last_log"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in logs[-1].items()}
+        out["mean_completion_length"] = [round(h.get("completions/mean_length", -1), 1) for h in logs]
+    print("TRLPEER", json.dumps(out), flush=True)
+    if E.get("OUTJ"):
+        with open(E["OUTJ"], "a") as f:
+            f.write(json.dumps(out) + "\n")
