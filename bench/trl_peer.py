@@ -9,8 +9,8 @@ the two step times compare like for like. Needs `pip install trl datasets` besid
   server mode:      CUDA_VISIBLE_DEVICES=1 trl vllm-serve --model path &   then MODE=server CUDA_VISIBLE_DEVICES=0 ...
 env: MODEL, STEPS, BS (completions per micro-batch), GAS, G, MAXTOK, LR (1e-5), MODE (colocate|server), DS (1: ZeRO-3),
 SLEEP (1), GC (0: gradient checkpointing), OUTJ (append the result line to this file).
-Prints one line `TRLPEER {json}`: the seconds of every optimizer step (= one generation round) and the median
-over steps 2..N, as samples per second."""
+Prints one line `TRLPEER {json}`: the seconds of steps 2..N (each optimizer step = one generation round; a
+callback stamps the end of each step, so step 1 has no start) and their median without step 2, as samples/s."""
 import json, os, random, statistics, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # grpo_colocate
 import torch
@@ -68,8 +68,7 @@ if tr.accelerator.is_main_process:
     dsp = tr.accelerator.state.deepspeed_plugin
     out = dict(zero_stage=dsp.zero_stage if dsp else None, gc=args.gradient_checkpointing, mode=args.vllm_mode, ds=E.get("DS", "1"), model=E["MODEL"], steps=STEPS, samples_per_step=samples,
                maxtok=MAXTOK, world=world, train_wall_s=round(wall, 1), step_s=[round(x, 3) for x in d],
-               median_step_s=round(med, 3), samples_per_s=round(samples / med, 2),
-               )
+               median_step_s=round(med, 3), samples_per_s=round(samples / med, 2))
     logs = [h for h in tr.state.log_history if "loss" in h]
     if logs:
         out["last_log"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in logs[-1].items()}
