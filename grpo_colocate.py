@@ -712,9 +712,13 @@ def prompts_for_step(source: PromptSource, step: int, per_rank: int, world_size:
     return [source[base + j] for j in range(per_rank)]
 
 
+def chat_messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
+
+
 def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=True,
+                                              return_dict=False))
 
 
 def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[list[int]], int]:

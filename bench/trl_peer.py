@@ -11,7 +11,7 @@ env: MODEL, STEPS, BS (completions per micro-batch), GAS, G, MAXTOK, LR (1e-5), 
 SLEEP (1), GC (0: gradient checkpointing), OUTJ (append the result line to this file).
 Prints one line `TRLPEER {json}`: the seconds of steps 2..N (each optimizer step = one generation round; a
 callback stamps the end of each step, so step 1 has no start) and their median without step 2, as samples/s."""
-import json, os, random, statistics, sys, time
+import json, os, statistics, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # grpo_colocate
 import torch
 from datasets import Dataset
@@ -22,11 +22,8 @@ import grpo_colocate as g
 E = os.environ
 STEPS, BS, GAS, G = int(E.get("STEPS", "8")), int(E.get("BS", "16")), int(E.get("GAS", "2")), int(E.get("G", "8"))
 MAXTOK = int(E.get("MAXTOK", "128"))
-rows = []  # grpo_colocate's training stream: example i from its own seeded RNG
-for i in range(4000):
-    p = g.arithmetic_problem(random.Random(f"0:{i}"))
-    rows.append({"prompt": [{"role": "system", "content": g.SYSTEM_PROMPT}, *g.FEW_SHOT, {"role": "user", "content": p["prompt"]}],
-                 "answer": p["answer"]})
+source = g.PromptSource(g.Config())  # grpo_colocate's training stream and chat format
+rows = [{"prompt": g.chat_messages(ex["prompt"]), "answer": ex["answer"]} for ex in (source[i] for i in range(4000))]
 
 
 def wrap(fn):
