@@ -740,10 +740,14 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s, device=device)
         attn[i, : len(s)] = 1
-    logits = model(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
+    # Position t predicts token t+1, so only positions from the shortest prompt's last token on are scored.
+    # logits_to_keep=k applies the LM head to the last k positions only: prompt positions (most of a short
+    # completion's sequence) never get their (positions x vocabulary) logits, in the forward or the backward.
+    first = min(map(len, prompts)) - 1
+    logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=width - first).logits  # [B, L - first, V]
     logps, ents = [], []
     for i, (p, c) in enumerate(zip(prompts, completions)):  # row by row: a [B, L, V] float32 copy is large
-        lg = logits[i, len(p) - 1: len(p) + len(c) - 1]  # position t predicts token t+1
+        lg = logits[i, len(p) - 1 - first: len(p) + len(c) - 1 - first]  # position t predicts token t+1
         logp, ent = token_logprobs(lg, ids[i, len(p): len(p) + len(c)], temperature)
         logps.append(logp)
         ents.append(ent)

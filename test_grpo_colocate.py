@@ -124,11 +124,16 @@ def tiny_llama(vocab=64):
 
 
 def test_sequence_logprobs_match_unpadded_forward():
-    """Padding and the prompt/completion boundary: each row equals a forward pass over that row alone."""
+    """Padding and the prompt/completion boundary: each row equals a forward pass over that row alone; the LM
+    head sees only positions from the shortest prompt's last token on (no logits for the rest of the prompts)."""
     model = tiny_llama()
     prompts, comps = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
+    head_positions = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_positions.append(args[0].shape[1]))
     with torch.no_grad():
         logp, ent = g.sequence_logprobs(model, prompts, comps, temperature=0.7, device="cpu", pad_id=0)
+        hook.remove()
+        assert head_positions == [6 - 1]  # width 6 (2 + 4); positions 1..5 are scored or padding, 0 is not
         assert logp.shape == (2, 4)
         for i, (p, c) in enumerate(zip(prompts, comps)):
             logits = model(torch.tensor([p + c])).logits[0]
