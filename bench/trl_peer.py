@@ -6,7 +6,9 @@ the two step times compare like for like. Needs `pip install trl datasets` besid
   colocate, 1 GPU:  MODEL=path STEPS=20 BS=16 GAS=2 G=8 MAXTOK=128 torchrun --nproc_per_node 1 bench/trl_peer.py
     (= grpo_colocate.py --model path --max_steps 20 --per_device_train_batch_size 16 --gradient_accumulation_steps 2
        --num_generations 8 --max_completion_length 128)
-  server mode:      CUDA_VISIBLE_DEVICES=1 trl vllm-serve --model path &   then MODE=server CUDA_VISIBLE_DEVICES=0 ...
+  server mode:      CUDA_VISIBLE_DEVICES=1 trl vllm-serve --model path --gpu_memory_utilization 0.9 --max_model_len 768 &
+                    SLEEP=0 MODE=server CUDA_VISIBLE_DEVICES=0 MODEL=path STEPS=8 BS=16 GAS=4 G=8 MAXTOK=256 torchrun ...
+    (`trl vllm-serve` runs vLLM's OpenAI server: it needs uvicorn, fastapi, watchfiles, ... beyond requirements.txt)
 env: MODEL, STEPS, BS (completions per micro-batch), GAS, G, MAXTOK, LR (1e-5), MODE (colocate|server), DS (1: ZeRO-3),
 SLEEP (1), GC (0: gradient checkpointing), OUTJ (append the result line to this file).
 Prints one line `TRLPEER {json}`: the seconds of steps 2..N (each optimizer step = one generation round; a

@@ -1,0 +1,99 @@
+"""Where one training micro-batch's time goes (README "Performance"): forward and backward of
+grpo_colocate.sequence_logprobs on a plain transformers model and on the ZeRO-3 engine the script builds,
+with logits for every position (the pre-`logits_to_keep` version, kept here for comparison) and for the
+scored positions only; then a torch.profiler table of one ZeRO-3 forward + backward.
+
+    torchrun --nproc_per_node 1 bench/profile_train.py /tmp/random-1.5b      # MB=16 rows, T=512 completion tokens
+
+Prompts are the script's real chat prompts (~130 tokens with SmolLM2's tokenizer); completions are random
+token ids. Runs on CPU too (float32, gloo), for checking the script, not for timing.
+"""
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo_colocate as g  # noqa: E402
+
+MODEL, MB, T = sys.argv[1], int(os.environ.get("MB", "16")), int(os.environ.get("T", "512"))
+CUDA = torch.cuda.is_available()
+dev = torch.device("cuda", 0) if CUDA else torch.device("cpu")
+dtype = torch.bfloat16 if CUDA else torch.float32
+sync = torch.cuda.synchronize if CUDA else (lambda: None)
+
+tokenizer = AutoTokenizer.from_pretrained(MODEL)
+source = g.PromptSource(g.Config())
+prompts = [g.chat_prompt_ids(tokenizer, source[i]["prompt"]) for i in range(MB)]
+rng = random.Random(0)
+completions = [[rng.randrange(1000, min(40000, len(tokenizer))) for _ in range(T)] for _ in range(MB)]
+print(f"{MB} rows: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens + {T} completion tokens", flush=True)
+
+
+def all_position_logprobs(model, prompts, completions, temperature, device, pad_id):
+    """sequence_logprobs as it was before logits_to_keep: logits for every position of every row."""
+    seqs = [p + c for p, c in zip(prompts, completions)]
+    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, device=device)
+        attn[i, : len(s)] = 1
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    rows = [g.token_logprobs(logits[i, len(p) - 1: len(p) + len(c) - 1], ids[i, len(p): len(p) + len(c)], temperature)
+            for i, (p, c) in enumerate(zip(prompts, completions))]
+    pad = torch.nn.utils.rnn.pad_sequence
+    return pad([r[0] for r in rows], batch_first=True), pad([r[1] for r in rows], batch_first=True)
+
+
+def bench(name, model, fn, backward, reps=4):
+    """Mean forward and backward milliseconds over `reps` runs after one warm-up."""
+    fwd, bwd = [], []
+    for r in range(reps + 1):
+        sync()
+        t0 = time.perf_counter()
+        logp, _ = fn(model, prompts, completions, 1.0, dev, 0)
+        sync()
+        t1 = time.perf_counter()
+        backward(logp.sum() / logp.numel())
+        sync()
+        if r:
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+    peak = ""
+    if CUDA:
+        peak = f"  torch peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        torch.cuda.reset_peak_memory_stats()
+    print(f"{name:26s} fwd {1000 * sum(fwd) / reps:7.1f} ms  bwd {1000 * sum(bwd) / reps:7.1f} ms{peak}", flush=True)
+
+
+# 1. the plain transformers model: what the matmuls cost without DeepSpeed
+model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=dtype).to(dev)
+model.config.use_cache = False
+model.train()
+bench("plain, all positions", model, all_position_logprobs, lambda loss: loss.backward())
+bench("plain, logits_to_keep", model, g.sequence_logprobs, lambda loss: loss.backward())
+del model
+if CUDA:
+    torch.cuda.empty_cache()
+
+# 2. the ZeRO-3 engine exactly as grpo_colocate builds it
+dist.init_process_group("nccl" if CUDA else "gloo")
+cfg = g.Config(model=MODEL, per_device_train_batch_size=MB, gradient_accumulation_steps=16)
+engine = g.build_trainer(cfg, MODEL, g.fill_ds_config(cfg, dist.get_world_size(), CUDA), dtype)
+engine.train()
+step = lambda loss: engine.backward(loss, scale_wrt_gas=False)  # noqa: E731
+bench("zero3, all positions", engine, all_position_logprobs, step)
+bench("zero3, logits_to_keep", engine, g.sequence_logprobs, step)
+with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])) as prof:
+    logp, _ = g.sequence_logprobs(engine, prompts, completions, 1.0, dev, 0)
+    step(logp.sum() / logp.numel())
+    sync()
+print(prof.key_averages().table(sort_by="cuda_time_total" if CUDA else "cpu_time_total", row_limit=20,
+                                max_name_column_width=60))
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+dist.destroy_process_group()
