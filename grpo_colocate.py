@@ -732,7 +732,7 @@ def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[
 def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
                       device, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Trainer log-probs and entropies of each completion's tokens -> two [B, T_max] tensors (0 past the end).
-    Sequences are prompt + completion, right-padded, so positions need no adjustment."""
+    Sequences are prompt + completion, right-padded; the logits start at position `first` (below)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
