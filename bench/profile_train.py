@@ -1,7 +1,7 @@
 """Where one training micro-batch's time goes (README "Performance"): forward and backward of
 grpo_colocate.sequence_logprobs on a plain transformers model and on the ZeRO-3 engine the script builds,
-with logits for every position (the pre-`logits_to_keep` version, kept here for comparison) and for the
-scored positions only; then a torch.profiler table of one ZeRO-3 forward + backward.
+with logits for every position (as before `logits_to_keep`: `AllPositions`) and for the scored positions
+only; then a torch.profiler table of one ZeRO-3 forward + backward.
 
     torchrun --nproc_per_node 1 bench/profile_train.py /tmp/random-1.5b      # MB=16 rows, T=512 completion tokens
 
@@ -35,28 +35,26 @@ completions = [[rng.randrange(1000, min(40000, len(tokenizer))) for _ in range(T
 print(f"{MB} rows: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens + {T} completion tokens", flush=True)
 
 
-def all_position_logprobs(model, prompts, completions, temperature, device, pad_id):
-    """sequence_logprobs as it was before logits_to_keep: logits for every position of every row."""
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    ids = torch.full((len(seqs), max(map(len, seqs))), pad_id, dtype=torch.long, device=device)
-    attn = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, device=device)
-        attn[i, : len(s)] = 1
-    logits = model(input_ids=ids, attention_mask=attn).logits
-    rows = [g.token_logprobs(logits[i, len(p) - 1: len(p) + len(c) - 1], ids[i, len(p): len(p) + len(c)], temperature)
-            for i, (p, c) in enumerate(zip(prompts, completions))]
-    pad = torch.nn.utils.rnn.pad_sequence
-    return pad([r[0] for r in rows], batch_first=True), pad([r[1] for r in rows], batch_first=True)
+class AllPositions:
+    """The model as sequence_logprobs saw it before logits_to_keep: logits for every position of every row
+    (the cost measured), of which sequence_logprobs is handed the positions it asked for."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, logits_to_keep, **inputs):
+        out = self.model(**inputs)
+        out.logits = out.logits[:, -logits_to_keep:]
+        return out
 
 
-def bench(name, model, fn, backward, reps=4):
+def bench(name, model, backward, reps=4):
     """Mean forward and backward milliseconds over `reps` runs after one warm-up."""
     fwd, bwd = [], []
     for r in range(reps + 1):
         sync()
         t0 = time.perf_counter()
-        logp, _ = fn(model, prompts, completions, 1.0, dev, 0)
+        logp, _ = g.sequence_logprobs(model, prompts, completions, 1.0, dev, 0)
         sync()
         t1 = time.perf_counter()
         backward(logp.sum() / logp.numel())
@@ -75,8 +73,8 @@ def bench(name, model, fn, backward, reps=4):
 model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=dtype).to(dev)
 model.config.use_cache = False
 model.train()
-bench("plain, all positions", model, all_position_logprobs, lambda loss: loss.backward())
-bench("plain, logits_to_keep", model, g.sequence_logprobs, lambda loss: loss.backward())
+bench("plain, all positions", AllPositions(model), lambda loss: loss.backward())
+bench("plain, logits_to_keep", model, lambda loss: loss.backward())
 del model
 if CUDA:
     torch.cuda.empty_cache()
@@ -87,8 +85,8 @@ cfg = g.Config(model=MODEL, per_device_train_batch_size=MB, gradient_accumulatio
 engine = g.build_trainer(cfg, MODEL, g.fill_ds_config(cfg, dist.get_world_size(), CUDA), dtype)
 engine.train()
 step = lambda loss: engine.backward(loss, scale_wrt_gas=False)  # noqa: E731
-bench("zero3, all positions", engine, all_position_logprobs, step)
-bench("zero3, logits_to_keep", engine, g.sequence_logprobs, step)
+bench("zero3, all positions", AllPositions(engine), step)
+bench("zero3, logits_to_keep", engine, step)
 with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if CUDA else [])) as prof:
     logp, _ = g.sequence_logprobs(engine, prompts, completions, 1.0, dev, 0)
     step(logp.sum() / logp.numel())
