@@ -484,11 +484,29 @@ def tp_exchange(items: list, group, tp: int) -> tuple[list, slice]:
     return [x for g in gathered for x in g], slice(start, start + len(items))
 
 
-def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int, timer: PhaseTimer | None = None) -> list:
-    """vLLM outputs for this rank's prompts, in order: output i belongs to prompt_ids[i]."""
+def seeded(params, seed: int, num_prompts: int) -> list:
+    """One SamplingParams per prompt: prompt i gets seed + i*n, and vLLM gives its n samples seed + i*n + 0..n-1,
+    so every sample has its own seed. Without one, vLLM's GPU model runner draws a random seed per request
+    from numpy's global RNG (its CPU runner uses torch's default generator), so what it samples would depend
+    on the engine's history: a resumed run would not sample what an uninterrupted one did."""
+    out = []
+    for i in range(num_prompts):
+        p = params.clone()
+        p.seed = seed + i * params.n
+        out.append(p)
+    return out
+
+
+def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int, timer: PhaseTimer | None = None,
+             seed: int | None = None) -> list:
+    """vLLM outputs for this rank's prompts, in order: output i belongs to prompt_ids[i]. With `seed`, the
+    samples are a function of (seed, prompt position in the TP group's batch) only (`seeded`); every rank of
+    a TP group must pass the same seed, as it passes the same prompts."""
     timer = timer or PhaseTimer()
     with timer("exchange"):
         all_prompts, mine = tp_exchange(prompt_ids, tp_group, tp)
+    if seed is not None:
+        params = seeded(params, seed, len(all_prompts))
     with timer("generate"):
         outputs = llm.generate([{"prompt_token_ids": p} for p in all_prompts], params, use_tqdm=False)
     return outputs[mine]
@@ -601,8 +619,8 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int, world: int) -> st
     """output_dir/checkpoint-{step}: an HF folder (to use the model) plus DeepSpeed's own ZeRO-3 state of
     every rank (weights, optimizer moments; to resume) and trainer_state.json. Written under a temporary name
     and renamed when complete, so a crash mid-save never leaves a folder that looks like a checkpoint.
-    Nothing else needs saving: the data position is the step (`prompts_for_step`), the sampling RNG is
-    re-seeded from (seed, step) every step, and the learning rate is constant (no scheduler state)."""
+    Nothing else needs saving: the data position is the step (`prompts_for_step`), every sample's seed is a
+    function of (seed, step, engine, prompt) (`seeded`), and the learning rate is constant (no scheduler)."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     save_model(engine.module, tokenizer, tmp)
@@ -1071,8 +1089,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
-        dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None,
-                                timeout=timedelta(seconds=cfg.ddp_timeout))
+        # No device_id: with one, torch creates the NCCL communicator of every new group at once, and vLLM
+        # creates several groups (world, TP, PP, DP, EP, ...) that mostly never communicate here: 2.3 GiB per
+        # H200 that sleep cannot give back (bench/memory_probe.py). Without it, a communicator is made on use.
+        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=cfg.ddp_timeout))
     try:
         train(cfg, device)
     except (ConfigError, NonFiniteError) as e:  # one line per rank, no traceback
@@ -1190,10 +1210,11 @@ def train(cfg: Config, device: torch.device) -> None:
             say(f"warning: rank {RANK}: {truncated} prompts longer than --max_prompt_length {cfg.max_prompt_length} "
                 "tokens were cut from the left (counted every step in prompts/truncated)")
             warned_truncation = True
-        # sampling randomness is a function of (seed, step, engine), not of history: a resumed run samples
-        # exactly what an uninterrupted one would (vLLM samples with torch's default generator)
-        torch.manual_seed(zlib.crc32(f"{cfg.seed}:{step}:{RANK // tp}".encode()))
-        rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp, timer))
+        # sampling randomness is a function of (seed, step, engine, prompt), not of the engine's history: a
+        # resumed run samples exactly what an uninterrupted one would. 2**20 seeds apart per (step, engine).
+        gen_seed = zlib.crc32(f"{cfg.seed}:{step}:{RANK // tp}".encode()) << 20
+        rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp, timer,
+                                                                   seed=gen_seed))
         if on_gpu:
             free, total = torch.cuda.mem_get_info()
             metrics["memory/generate_used_gib"] = (total - free) / 2**30  # device-wide, vLLM awake

@@ -267,14 +267,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+class RecordingEngine:
+    """Stands in for vllm.LLM inside generate(): remembers what it was asked and returns, per prompt, the
+    prompt and the seed it would be sampled with."""
+
+    def generate(self, prompts, params, use_tqdm=False):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        self.prompts = [p["prompt_token_ids"] for p in prompts]
+        return [(tuple(p), sp.seed) for p, sp in zip(self.prompts, params)]
+
+
 def _exchange_worker(rank, world, tp, port, q):
+    from vllm import SamplingParams
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None
     # uneven on purpose: rank r holds r + 1 prompts, each tagged with its owner
     mine = [[rank, j, 100 + rank] for j in range(rank + 1)]
-    everything, sl = g.tp_exchange(mine, group, tp)
-    fake_outputs = [("completion-of", tuple(p)) for p in everything]  # what an engine returns, in input order
-    q.put((rank, everything, [o[1] for o in fake_outputs[sl]]))
+    engine, params = RecordingEngine(), SamplingParams(n=3, temperature=0.7, max_tokens=5)
+    outputs = g.generate(engine, mine, params, group, tp, seed=1000 * (rank // tp))  # the loop's seed per engine
+    q.put((rank, engine.prompts, outputs))
+    assert params.seed is None  # the shared SamplingParams are left alone
     dist.barrier()
     dist.destroy_process_group()
 
@@ -292,11 +304,15 @@ def test_tp_exchange_keeps_prompts_aligned(world, tp):
         p.join(60)
         assert p.exitcode == 0
     for rank, (everything, own_outputs) in results.items():
-        # this rank's slice of the engine's outputs pairs exactly with its own prompts, in order
-        assert own_outputs == [tuple([rank, j, 100 + rank]) for j in range(rank + 1)]
         group = next(grp for grp in g.tp_group_layout(world, tp) if rank in grp)
         # every rank of a TP group feeds the engine the identical prompt list
         assert everything == [[r, j, 100 + r] for r in group for j in range(r + 1)]
+        # this rank's slice of the engine's outputs pairs exactly with its own prompts, in order; prompt i of
+        # the group's list is sampled with seed + 3i (vLLM gives its n=3 samples +0, +1, +2): the same on
+        # every rank of the group, never left to vLLM (its GPU runner would draw one from numpy's RNG)
+        first = sum(r + 1 for r in group if r < rank)
+        assert own_outputs == [(tuple([rank, j, 100 + rank]), 1000 * (rank // tp) + 3 * (first + j))
+                               for j in range(rank + 1)]
 
 
 # ------------------------------------------------------------------------------------------ bad input, faults

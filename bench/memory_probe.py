@@ -1,0 +1,125 @@
+"""What does vLLM keep on the GPU after sleep(level=2)? (README "Memory: what sleep gives back")
+
+Builds the engine exactly as grpo_colocate.train does (same process-group setup, same LLM() arguments), then
+prints device-wide GPU memory in use, relative to the start, after every stage:
+
+    start          CUDA context + the NCCL process group (as main() makes it), before anything else
+    trainer warm-up (--warmup) one forward/backward/AdamW step of the model with plain transformers, then
+                   everything freed: the library state (cuBLAS workspaces, attention kernels) a trainer
+                   creates anyway, whether or not vLLM exists
+    LLM()          and inside it vLLM's worker stages (init_device, load_model, ..., compile_or_warm_up_model)
+    sleep(2)       + torch.cuda.empty_cache(), as train() does
+    wake/sleep     one more cycle: does the residue grow per cycle?
+    del LLM        engine gone: what stays for the life of the process
+
+    torchrun --nproc_per_node 1 bench/memory_probe.py --model /tmp/SmolLM2-135M-Instruct [--warmup]
+             [--vllm_enforce_eager true] [--eager_nccl]   (other grpo_colocate options as in the script)
+
+--eager_nccl binds the process group to the GPU (init_process_group(device_id=...)), as grpo_colocate did
+before: torch then creates the NCCL communicator of every new group at once, vLLM's included, and that
+memory (2.3 GiB on an H200) stays through sleep. The script itself lets communicators be made on use.
+GPU only.
+"""
+import gc
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo_colocate as g  # noqa: E402
+
+flags = {a for a in sys.argv[1:] if a in ("--warmup", "--eager_nccl")}
+cfg = g.parse_config([a for a in sys.argv[1:] if a not in flags])
+local_rank = int(os.environ.get("LOCAL_RANK", 0))
+torch.cuda.set_device(local_rank)
+device = torch.device("cuda", local_rank)
+dist.init_process_group("nccl", device_id=device if "--eager_nccl" in flags else None,
+                        timeout=timedelta(seconds=600))
+dist.all_gather_object([None] * dist.get_world_size(), cfg.model)  # preflight's first collective
+torch.cuda.synchronize()
+FREE0 = torch.cuda.mem_get_info()[0]
+last = [0.0]
+
+
+def mark(label: str) -> None:
+    """Device-wide GiB in use relative to the start, the change since the previous mark, and the part
+    PyTorch's caching allocator reserves (vLLM's sleep pool is outside it)."""
+    torch.cuda.synchronize()
+    used = (FREE0 - torch.cuda.mem_get_info()[0]) / 2**30
+    if dist.get_rank() == 0:
+        print(f"[mem] {label:44s} used {used:7.3f} GiB  (+{used - last[0]:7.3f})  torch reserved "
+              f"{torch.cuda.memory_reserved() / 2**30:6.3f}  allocated {torch.cuda.memory_allocated() / 2**30:6.3f}",
+              flush=True)
+    last[0] = used
+
+
+def process_mib() -> str:
+    """nvidia-smi's per-process figure (includes the CUDA context)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+        return next((l.split(",")[1].strip() for l in out.splitlines() if l.split(",")[0].strip() == str(os.getpid())), "?")
+    except Exception as e:  # noqa: BLE001
+        return f"? ({e})"
+
+
+print(f"[env] CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING')} NCCL_NVLS_ENABLE="
+      f"{os.environ.get('NCCL_NVLS_ENABLE')} flags={sorted(flags)} process {process_mib()}", flush=True)
+mark("start")
+
+if "--warmup" in flags:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.bfloat16).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    prompt = g.chat_prompt_ids(tok, "What is 12 + 30?")
+    logp, _ = g.sequence_logprobs(model, [prompt] * 8, [[100] * 256] * 8, 1.0, device, 0)
+    logp.mean().backward()
+    opt.step()
+    del model, opt, logp
+    gc.collect()
+    torch.cuda.empty_cache()
+    mark("trainer warm-up (then freed)")
+
+# vLLM's worker runs in this process (external_launcher): time-stamp its stages
+from vllm.v1.worker import gpu_worker  # noqa: E402
+
+for name in ("init_device", "load_model", "determine_available_memory", "initialize_from_config",
+             "compile_or_warm_up_model"):
+    if hasattr(gpu_worker.Worker, name):
+        def wrap(fn, name=name):
+            def inner(*a, **k):
+                out = fn(*a, **k)
+                mark(f"  vLLM worker.{name}")
+                return out
+            return inner
+        setattr(gpu_worker.Worker, name, wrap(getattr(gpu_worker.Worker, name)))
+
+llm = g.build_vllm(cfg, cfg.model, cfg.vllm_tensor_parallel_size, True, torch.bfloat16)
+mark("LLM() built")
+awake = last[0]
+print(f"[mem] process after LLM(): {process_mib()}", flush=True)
+llm.sleep(level=2)
+mark("sleep(level=2)")
+torch.cuda.empty_cache()
+mark("+ empty_cache")
+asleep = last[0]
+print(f"[mem] process asleep: {process_mib()}", flush=True)
+llm.wake_up(tags=["weights"])
+llm.wake_up(tags=["kv_cache"])
+mark("wake_up(weights), wake_up(kv_cache)")
+llm.sleep(level=2)
+torch.cuda.empty_cache()
+mark("second sleep(level=2) + empty_cache")
+del llm
+gc.collect()
+torch.cuda.empty_cache()
+mark("LLM deleted")
+print(f"[mem] summary: LLM() {awake:.2f} GiB, asleep {asleep:.2f} GiB -> sleep gives back "
+      f"{100 * (1 - asleep / awake):.1f}%{' (after trainer warm-up)' if '--warmup' in flags else ''}; "
+      f"after deleting the engine {last[0]:.2f} GiB stays", flush=True)
+dist.destroy_process_group()
