@@ -76,6 +76,9 @@ import torch.distributed as dist
 
 # DeepSpeed calls torch.distributed functions that torch has deprecated: one warning per call, per step.
 warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed")
+# The process group is deliberately not bound to a device (see main); each rank has set its GPU, which is
+# the device barrier() then uses, as this warning says.
+warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
 
 
 # =====================================================================================================
