@@ -33,6 +33,8 @@ if [ -z "${NO_INSTALL:-}" ]; then
   export PATH="$PWD/$VENV/bin:$PATH"
 fi
 
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # torchrun's default (one thread per rank), without its banner
+
 if [ "${1:-}" = test ]; then
   shift
   exec python -m pytest -v -rs test_grpo_colocate.py "$@"
