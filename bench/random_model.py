@@ -1,5 +1,5 @@
 """A random-weight llama with SmolLM2's tokenizer and chat template, shaped like a 1.5B or 7B model: for
-timing and memory runs (README "Results" and "Performance"), not learning. Random weights almost never
+timing and memory runs (bench/README.md), not learning. Random weights almost never
 sample EOS, so every completion runs to max_completion_length and every step does the same work.
 
     python bench/random_model.py /tmp/random-1.5b 1.5b     # 1.39B params: 28 layers, hidden 1536, 12 / 2 heads
@@ -24,7 +24,7 @@ SHAPES = {  # Qwen2.5-1.5B / -7B layer shapes; the vocabulary is SmolLM2's
 if __name__ == "__main__":
     out, size = sys.argv[1], sys.argv[2]
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(grpo_colocate.resolve_model(grpo_colocate.Config(), build=True))
+    tokenizer = AutoTokenizer.from_pretrained(grpo_colocate.default_model(build=True))
     cfg = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096, rope_theta=1e5,
                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **SHAPES[size])
     torch.manual_seed(0)

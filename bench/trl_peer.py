@@ -1,19 +1,22 @@
-"""The peer in README "Performance": TRL's GRPOTrainer (tested: TRL 1.16.0) on exactly grpo_colocate.py's task
-and settings -- the same chat prompts (system prompt + few-shot), reward functions and weights, completions per
-step, completion length, optimizer, ZeRO-3 config (ds_zero3.json), vLLM memory share and sleep level 2 -- so that
-the two step times compare like for like. Needs `pip install trl datasets` beside requirements.txt.
+"""The peer in bench/README.md "Performance": TRL's GRPOTrainer (tested: TRL 1.16.0) on exactly grpo_colocate.py's
+task and settings -- the same chat prompts (system prompt + few-shot), reward functions and weights, completions per
+step, completion length, optimizer, ZeRO-3 config (ds_zero3.json), vLLM memory share, sleep level 2, no dropout, and
+the same importance-sampling correction (per token, min(exp(logp_trainer - logp_vllm), 3): TRL's "token_truncate";
+TRL's default is "sequence_mask") -- so that the two step times compare like for like. Needs `pip install trl datasets`
+beside requirements.txt.
 
   colocate, 1 GPU:  MODEL=path STEPS=20 BS=16 GAS=2 G=8 MAXTOK=128 torchrun --nproc_per_node 1 bench/trl_peer.py
-    (= grpo_colocate.py --model path --max_steps 20 --per_device_train_batch_size 16 --gradient_accumulation_steps 2
-       --num_generations 8 --max_completion_length 128)
+    (= torchrun --nproc_per_node 1 grpo_colocate.py --model path --max_steps 20 --per_device_train_batch_size 16
+       --gradient_accumulation_steps 2 --num_generations 8 --max_completion_length 128)
   server mode:      CUDA_VISIBLE_DEVICES=1 trl vllm-serve --model path --gpu_memory_utilization 0.9 --max_model_len 768 &
                     SLEEP=0 MODE=server CUDA_VISIBLE_DEVICES=0 MODEL=path STEPS=8 BS=16 GAS=4 G=8 MAXTOK=256 torchrun ...
     (`trl vllm-serve` runs vLLM's OpenAI server: it needs uvicorn, fastapi, watchfiles, ... beyond requirements.txt)
-env: MODEL, STEPS, BS (completions per micro-batch), GAS, G, MAXTOK, LR (1e-5), MODE (colocate|server), DS (1: ZeRO-3),
-SLEEP (1), GC (0: gradient checkpointing), OUTJ (append the result line to this file).
+env: MODEL (default: grpo_colocate's SmolLM2-135M-Instruct, ~/.cache/grpo_colocate), STEPS, BS (completions per micro-batch), GAS, G, MAXTOK,
+LR (1e-5), MODE (colocate|server), DS (1: ZeRO-3), SLEEP (1), GC (0: gradient checkpointing), OUTJ (append the result
+line to this file).
 Prints one line `TRLPEER {json}`: the seconds of steps 2..N (each optimizer step = one generation round; a
 callback stamps the end of each step, so step 1 has no start) and their median without step 2, as samples/s."""
-import json, os, statistics, sys, time
+import dataclasses, json, os, statistics, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # grpo_colocate
 import torch
 from datasets import Dataset
@@ -24,8 +27,11 @@ import grpo_colocate as g
 E = os.environ
 STEPS, BS, GAS, G = int(E.get("STEPS", "8")), int(E.get("BS", "16")), int(E.get("GAS", "2")), int(E.get("G", "8"))
 MAXTOK = int(E.get("MAXTOK", "128"))
+# the default model: built here by a 1-rank run (ranks building it at once would race), or by grpo_colocate.py
+MODEL = E.get("MODEL") or g.default_model(build=E.get("WORLD_SIZE", "1") == "1")
 source = g.PromptSource(g.Config())  # grpo_colocate's training stream and chat format
-rows = [{"prompt": g.chat_messages(ex["prompt"]), "answer": ex["answer"]} for ex in (source[i] for i in range(4000))]
+chat = lambda q: [{"role": "system", "content": g.SYSTEM_PROMPT}, *g.FEW_SHOT, {"role": "user", "content": q}]  # = g.chat_prompt_ids
+rows = [{"prompt": chat(ex["prompt"]), "answer": ex["answer"]} for ex in (source[i] for i in range(4000))]
 
 
 def wrap(fn):
@@ -45,6 +51,9 @@ class StepClock(TrainerCallback):
         self.t.append(time.perf_counter())
 
 
+# the cap of the per-token weight: vllm_importance_sampling_clip_max in TRL >= 1.6 (the older name is deprecated there)
+IS_CAP = "vllm_importance_sampling_clip_max" if "vllm_importance_sampling_clip_max" in \
+    {f.name for f in dataclasses.fields(GRPOConfig)} else "vllm_importance_sampling_cap"
 args = GRPOConfig(
     output_dir=E.get("OUT_DIR", "/tmp/trl_peer"), max_steps=STEPS, per_device_train_batch_size=BS, gradient_accumulation_steps=GAS,
     num_generations=G, max_completion_length=MAXTOK, temperature=1.0, learning_rate=float(E.get("LR", "1e-5")),
@@ -52,9 +61,11 @@ args = GRPOConfig(
     bf16=torch.cuda.is_available(), use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
     use_vllm=True, vllm_mode=E.get("MODE", "colocate"), vllm_gpu_memory_utilization=0.3,
     vllm_enable_sleep_mode=E.get("SLEEP", "1") == "1", vllm_max_model_length=256 + MAXTOK,
-    reward_weights=[1.0, 0.5], deepspeed=(os.path.join(sys.path[0], "ds_zero3.json") if E.get("DS", "1") == "1" else None))
+    reward_weights=[1.0, 0.5], disable_dropout=True, vllm_importance_sampling_correction=True,
+    vllm_importance_sampling_mode="token_truncate", **{IS_CAP: 3.0},
+    deepspeed=(os.path.join(sys.path[0], "ds_zero3.json") if E.get("DS", "1") == "1" else None))
 clock = StepClock()
-tr = GRPOTrainer(model=E["MODEL"], reward_funcs=[wrap(g.correctness_reward), wrap(g.format_reward)], args=args,
+tr = GRPOTrainer(model=MODEL, reward_funcs=[wrap(g.correctness_reward), wrap(g.format_reward)], args=args,
                  train_dataset=Dataset.from_list(rows), callbacks=[clock])
 t0 = time.perf_counter()
 tr.train()
@@ -65,7 +76,7 @@ if tr.accelerator.is_main_process:
     world = tr.accelerator.num_processes
     samples = BS * GAS * world
     dsp = tr.accelerator.state.deepspeed_plugin
-    out = dict(zero_stage=dsp.zero_stage if dsp else None, gc=args.gradient_checkpointing, mode=args.vllm_mode, ds=E.get("DS", "1"), model=E["MODEL"], steps=STEPS, samples_per_step=samples,
+    out = dict(zero_stage=dsp.zero_stage if dsp else None, gc=args.gradient_checkpointing, mode=args.vllm_mode, ds=E.get("DS", "1"), model=MODEL, steps=STEPS, samples_per_step=samples,
                maxtok=MAXTOK, world=world, train_wall_s=round(wall, 1), step_s=[round(x, 3) for x in d],
                median_step_s=round(med, 3), samples_per_s=round(samples / med, 2))
     logs = [h for h in tr.state.log_history if "loss" in h]

