@@ -497,14 +497,27 @@ def _agree_worker(rank, world, port, q):
         out.append("passed")
     except g.NonFiniteError as e:
         out.append(str(e))
+    # step metrics over both ranks: rewards over the samples that could be scored, clip ratios and KL over the tokens
+    # in the loss (not over masked, truncated ones), the sync check over all sampled tokens
+    r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], ["1", "1"], [True, False])
+    sums = {"loss": 0.5, "kl": 1.0, "clip_ratio/low": 0.5, "clip_ratio/high": 0.0, "grad_norm": 0.5, "entropy": 4.0, "logp_diff": 0.4,
+            "is_ratio": 4.0, "tokens": 4.0, "kept_tokens": 1.0, "max/logp_diff": 0.1 * (rank + 1), "max/is_ratio": 1.0,
+            "max/neg_is_ratio": -1.0, "reward_failures": rank, "prompts_truncated": 0, "prompts_hash": 0}
+    rewards, per_func = torch.tensor([1.0, math.nan]), {"correctness": torch.tensor([1.0, math.nan])}
+    out.append(g.step_metrics(r, rewards, per_func, torch.tensor([0.0]), sums, torch.device("cpu"), world))
     q.put((rank, out))
     dist.destroy_process_group()
 
 
 def test_every_rank_stops_when_one_fails():
     for rank, out in run_workers(_agree_worker, 2).items():
-        assert out == ["--dataset x.jsonl: no such file (on rank 1)", "OSError: [Errno 28] No space left on device (on rank 1)",
-                       rank * 10, "non-finite loss on 1 rank(s)"]
+        assert out[:4] == ["--dataset x.jsonl: no such file (on rank 1)", "OSError: [Errno 28] No space left on device (on rank 1)",
+                           rank * 10, "non-finite loss on 1 rank(s)"]
+        m = out[4]  # the same on both ranks: 2 ranks x (2 completions of 3 and 1 tokens, the 3-token one truncated and masked)
+        assert m["kl"] == 1.0 and m["clip_ratio/low"] == 0.5 and m["sampling/logp_diff_mean"] == pytest.approx(0.1)  # 2/2 and 1/2 kept; 0.8/8
+        assert m["reward"] == m["accuracy"] == 1.0 and m["rewards/failures"] == 1  # the NaN sample is not averaged in
+        assert m["completions/total_tokens"] == 8 and m["completions/max_length"] == 3 and m["completions/min_length"] == 1
+        assert m["sampling/logp_diff_max"] == pytest.approx(0.2) and m["grad_norm"] == 1.0 and m["loss"] == 0.5
 
 
 def _preflight_worker(rank, world, port, model, base, q):
