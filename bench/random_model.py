@@ -4,6 +4,7 @@ sample EOS, so every completion runs to max_completion_length and every step doe
 
     python bench/random_model.py /tmp/random-1.5b 1.5b     # 1.39B params: 28 layers, hidden 1536, 12 / 2 heads
     python bench/random_model.py /tmp/random-7b 7b         # 6.9B params: 28 layers, hidden 3584, 28 / 4 heads
+    python bench/random_model.py /tmp/tiny8 tiny8          # 13M params: 2 layers, hidden 256, 8 / 8 heads (bench/tp_sweep.py)
 """
 import os
 import sys
@@ -19,6 +20,8 @@ SHAPES = {  # Qwen2.5-1.5B / -7B layer shapes; the vocabulary is SmolLM2's
                  num_key_value_heads=2, tie_word_embeddings=True),
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                num_key_value_heads=4, tie_word_embeddings=False),
+    "tiny8": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,  # TP 1/2/4/8 on CPU
+                  num_key_value_heads=8, tie_word_embeddings=True),
 }
 
 if __name__ == "__main__":
