@@ -20,7 +20,7 @@ Launch (`bash run.sh` installs the environment and does this; add --save_steps 5
 """
 from __future__ import annotations
 
-import json, logging, math, os, random, re, shutil, signal, sys, time, warnings, zlib
+import json, logging, math, numbers, os, random, re, shutil, signal, sys, time, warnings, zlib
 from collections import defaultdict, namedtuple
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -253,10 +253,10 @@ class PhaseTimer:
         self.sync, self.t = sync, defaultdict(float)
     @contextmanager
     def __call__(self, name: str):
-        self.sync and torch.cuda.synchronize()
+        if self.sync: torch.cuda.synchronize()
         t0 = time.perf_counter()
         yield
-        self.sync and torch.cuda.synchronize()
+        if self.sync: torch.cuda.synchronize()
         self.t[name] += time.perf_counter() - t0
 
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
@@ -545,7 +545,7 @@ def safe_rewards(fn, texts: list[str], answers: list[str]) -> tuple[list[float],
         assert len(values) == len(texts)
     except Exception:  # find the sample(s) responsible, one at a time
         values = [one(t, a) for t, a in zip(texts, answers)]
-    out = [float(v) if isinstance(v, (int, float)) and math.isfinite(v) else math.nan for v in values]
+    out = [float(v) if isinstance(v, numbers.Real) and math.isfinite(v) else math.nan for v in values]  # numpy scalars too
     return out, [v if isinstance(v, str) else f"returned {v!r}" for v, o in zip(values, out) if math.isnan(o)]
 
 def score(r: Rollouts, names: list[str], weights: list[float]) -> tuple[torch.Tensor, dict, int]:

@@ -269,8 +269,10 @@ def test_a_failing_reward_is_left_out_and_counted(monkeypatch, capsys):
     values, problems = g.safe_rewards(picky, ["ok", "boom", "nan", "none", "ok"], ["1"] * 5)
     assert values[0] == values[4] == 1.0 and all(math.isnan(v) for v in values[1:4])
     assert len(problems) == 3 and "ValueError: cannot parse" in problems[0]
-    # a batch call returning the wrong number of rewards falls back to scoring one sample at a time
+    # a batch call returning the wrong number of rewards falls back to scoring one sample at a time; numpy numbers count
     assert g.safe_rewards(lambda c, a: [1.0], ["x", "y"], ["1", "2"]) == ([1.0, 1.0], [])
+    import numpy as np
+    assert g.safe_rewards(lambda c, a: [np.float32(0.5), np.int64(1), True], ["x", "y", "z"], ["1"] * 3) == ([0.5, 1.0, 1.0], [])
     monkeypatch.setitem(g.REWARD_FUNCS, "picky", picky)
     r = g.Rollouts([], [], [], ["ok", "boom", "<answer>1</answer>"], ["1", "1", "1"], [])
     total, per_func, failures = g.score(r, ["picky", "correctness"], [1.0, 2.0])
