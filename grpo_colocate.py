@@ -74,7 +74,7 @@ class Config:  # names follow TRL's GRPOConfig where they mean the same thing
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight each token's loss by min(exp(logp_trainer - logp_vllm), cap)")
     vllm_importance_sampling_cap: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
-    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="share of GPU memory vLLM may use for weights + KV cache while awake")
+    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts only if this share of GPU memory is free (its KV cache holds one step's batch)")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory (sleep level 2) while training; CUDA only")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs (slower generation, faster start-up); always on for CPU")
     deepspeed_config: str = HfArg(default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help='DeepSpeed ZeRO-3 config; its "auto" values come from these options')
@@ -83,7 +83,7 @@ class Config:  # names follow TRL's GRPOConfig where they mean the same thing
     save_steps: int = HfArg(default=0, help="save a resumable checkpoint every this many steps; 0 = only the final model")
     resume: str = HfArg(default="", help='"latest" (newest complete checkpoint in output_dir) or a checkpoint folder')
 
-CPU_KV_CACHE_BYTES = 2**29  # vLLM's KV cache on CPU (there gpu_memory_utilization would be a share of host RAM)
+PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather: its peak extra memory, about
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -237,8 +237,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     elif loss_type == "dr_grpo": loss = (per_token * mask).sum() / (n_seq * max_completion_length)
     else: loss = (per_token * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
     low, high = (ratio < 1 - epsilon_low) & (adv < 0), (ratio > 1 + epsilon_high) & (adv > 0)
-    return loss, {"clip_ratio/low": (low * mask).sum().item(), "clip_ratio/high": (high * mask).sum().item(),
-                  "kl": (kl * mask).sum().item()}
+    return loss, {"clip_ratio/low": (low * mask).sum(), "clip_ratio/high": (high * mask).sum(), "kl": (kl * mask).detach().sum()}
 
 # ====================================================================================================== ranks, vLLM, DeepSpeed
 RANK = int(os.environ.get("RANK", 0))
@@ -280,6 +279,16 @@ def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int, timer:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return outputs[start: start + len(prompt_ids)]
 
+def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype: torch.dtype) -> int:
+    """The KV cache that holds `num_seqs` sequences of `seq_len` tokens at once (vLLM allocates 16-token blocks); no more
+    is ever used, as the engine runs at most num_seqs. A smaller cache is less memory to map and unmap at wake and sleep."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model_path).get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = max(1, (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) // tp)  # this rank's share
+    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * dtype.itemsize  # K and V
+    return per_token * num_seqs * (seq_len + 16)
+
 def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtype):
     """This rank's in-process engine; the ranks of a TP group build one engine together, with one seed."""
     from vllm import LLM
@@ -291,26 +300,38 @@ def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtyp
               max_num_batched_tokens=min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len),
               enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
               enforce_eager=cfg.vllm_enforce_eager or not on_gpu, use_tqdm_on_load=False,  # CPU: compiling takes minutes
-              **(dict(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization) if on_gpu else dict(kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)))
+              kv_cache_memory_bytes=kv_cache_bytes(model_path, tp, max_num_seqs, max_model_len, dtype),
+              **(dict(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization) if on_gpu else {}))
     # vLLM warns at every push about modules without checkpoint weights (rotary embedding, tied lm_head): expected
     for h in logging.getLogger("vllm").handlers:  # (a missed push shows in logp_diff); its handler exists once built
         h.addFilter(lambda r: not re.search(r"(RotaryEmbedding|ParallelLMHead): Failed to load weights", r.getMessage()))
     return llm
 
-def gathered_params(model):
-    """(name, full tensor) per parameter, gathered from ZeRO-3 one at a time (a whole-model gather OOMs); all ranks together."""
+def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
+    """(name, full tensor) per parameter, gathered from ZeRO-3 in buckets of ~bucket_bytes: one all-gather per bucket, not
+    per parameter, and never the whole model at once (that OOMs); all ranks together. A bucket is freed once it is loaded."""
     import deepspeed
-    for name, param in model.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            yield name, param.data
+    params, bucket = list(model.named_parameters()), []
+    for i, (name, param) in enumerate(params):
+        bucket.append((name, param))
+        if i == len(params) - 1 or sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in bucket) >= bucket_bytes:
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
+                yield from ((n, p.data) for n, p in bucket)
+            bucket = []
 
-def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None = None) -> None:
+def make_room(nbytes: int) -> None:
+    """Return torch's cached blocks to the device only if vLLM's `nbytes` (0: unknown) would not fit beside them:
+    empty_cache is a cudaFree per block, and the trainer would cudaMalloc them all again in its next step."""
+    if nbytes <= 0 or torch.cuda.mem_get_info()[0] < nbytes + 2**30: torch.cuda.empty_cache()
+
+def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None = None, wake_bytes: int = 0) -> None:
     """Make vLLM sample from the weights just trained. Level-2 sleep discarded its weights: wake the weight memory, stream the
-    parameters in, wake the KV cache, drop cached prefixes. Never reload_weights WITHOUT weights: that reloads from disk."""
+    parameters in, wake the KV cache, drop cached prefixes. Never reload_weights WITHOUT weights: that reloads from disk.
+    `wake_bytes`: what wake_up maps (the trainer keeps its cached memory when that fits beside it)."""
     timer = timer or PhaseTimer()
     if sleep_mode:
         with timer("wake"):
-            torch.cuda.empty_cache()  # give the trainer's cached blocks back before vLLM maps its memory
+            make_room(wake_bytes)
             llm.wake_up(tags=["weights"])
     with timer("push"):
         # checkpoint-format tensors: vLLM fuses qkv, cuts its own TP shard (TRL's colocate mode once shipped the reload bug)
@@ -320,7 +341,7 @@ def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None 
             llm.apply_model(lambda m: dispatch_cpu_unquantized_gemm(m.lm_head, remove_weight=False))
     if sleep_mode:
         with timer("wake"):
-            torch.cuda.empty_cache()  # the gather buffers, before vLLM maps the KV cache back
+            make_room(wake_bytes)  # the gather buffers are cached now
             llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
 
@@ -575,8 +596,10 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
                       device, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's log-probs and entropies of each completion's tokens -> two [B, T_max] tensors (0 past the end)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
-    ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(s) for s in seqs], batch_first=True, padding_value=pad_id).to(device)
-    attn = (torch.arange(ids.shape[1])[None] < torch.tensor([len(s) for s in seqs])[:, None]).long().to(device)  # right padding
+    rows = torch.zeros(2, len(seqs), max(map(len, seqs)), dtype=torch.long, pin_memory=torch.device(device).type == "cuda")
+    rows[0].fill_(pad_id)
+    for i, s in enumerate(seqs): rows[0, i, :len(s)], rows[1, i, :len(s)] = torch.tensor(s), 1  # ids, mask (right padding)
+    ids, attn = rows.to(device, non_blocking=True)  # from pinned memory the copy does not wait for the GPU's queue to drain
     # Position t predicts token t+1, so positions before the shortest prompt's last token are never scored: the LM head
     # runs on the rest only (logits_to_keep), and the prompts get no (positions x vocabulary) logits.
     first = min(map(len, prompts)) - 1
@@ -586,45 +609,49 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
     return tuple(torch.nn.utils.rnn.pad_sequence(x, batch_first=True) for x in zip(*out))
 
 def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: Config, device, pad_id: int, world: int) -> dict:
-    """num_iterations optimizer steps over the rollouts; this rank's sums for the metrics (and maxima, as max/...)."""
+    """num_iterations optimizer steps over the rollouts; this rank's sums for the metrics (and maxima, as max/...).
+    Nothing waits for the GPU until the step's end (no .item() per micro-batch): ZeRO-3's hooks keep the CPU busy meanwhile."""
     n, mb = len(r.completions), cfg.per_device_train_batch_size
     engine.train()
     micro = [slice(i, i + mb) for i in range(0, n, mb)]
     lens = torch.tensor([len(c) for c in r.completions], device=device)
     keep = torch.tensor([not (cfg.mask_truncated_completions and t) for t in r.truncated], device=device).float()
+    vllm_logps = [torch.nn.utils.rnn.pad_sequence([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro]
+    advantages = advantages.to(device)
     # DeepSpeed averages gradients over ranks and we sum over micro-batches (scale_wrt_gas=False below), so dapo divides
     # by the global token count / world, grpo and dr_grpo by this rank's sequences: the loss of the whole global batch.
     tokens_per_rank = max(all_reduce_dict({"t": (lens * keep).sum().item()}, device)["t"] / world, 1.0)
     logprobs = lambda model, s: sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id)
     with torch.no_grad():  # the policy that sampled, frozen before the first update
         old_logps = [logprobs(engine, s)[0] for s in micro] if cfg.num_iterations > 1 else None
-    out = defaultdict(float, {"max/logp_diff": 0.0, "max/is_ratio": 0.0, "max/neg_is_ratio": -math.inf})
+    out = defaultdict(float, {f"max/{k}": torch.tensor(v, device=device) for k, v in [("logp_diff", 0.0), ("is_ratio", 0.0), ("neg_is_ratio", -math.inf)]})
     for it in range(cfg.num_iterations):
+        losses = 0.0
         for k, s in enumerate(micro):
             logp, ent = logprobs(engine, s)  # [b, T], with the autograd graph
             old = old_logps[k] if old_logps else logp.detach()  # one pass: ratio 1, the plain policy gradient
             live = (torch.arange(logp.shape[1], device=device)[None] < lens[s, None]).float()  # real tokens
-            mask = live * keep[s, None]
-            vllm_logp = torch.nn.utils.rnn.pad_sequence([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device)
+            mask, vllm_logp = live * keep[s, None], vllm_logps[k]
             isw = importance_weights(old, vllm_logp, cfg.vllm_importance_sampling_cap)
             with torch.no_grad():
                 ref_logp = logprobs(ref, s)[0] if ref is not None else None  # the frozen reference (beta > 0)
-            loss, stats = grpo_loss(logp, old, advantages[s].to(device), mask, epsilon_low=cfg.epsilon,
+            loss, stats = grpo_loss(logp, old, advantages[s], mask, epsilon_low=cfg.epsilon,
                                     epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta, ref_logp=ref_logp,
                                     is_weight=isw if cfg.vllm_importance_sampling_correction else None, loss_type=cfg.loss_type,
                                     max_completion_length=cfg.max_completion_length, num_sequences=n, num_tokens=tokens_per_rank)
-            check_finite(loss.item(), "loss", device)  # before backward: the weights are still good
             engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
+            losses = losses + loss.detach()
+            if k == len(micro) - 1: check_finite(float(losses), "loss", device)  # before the update: weights still good
             engine.step()  # DeepSpeed updates at the accumulation boundary only
-            for key, v in [("loss", loss.item()), *stats.items()]: out[key] += v / cfg.num_iterations
+            for key, v in [("loss", loss.detach()), *stats.items()]: out[key] += v / cfg.num_iterations
             if it == 0:  # THE WEIGHT-SYNC CHECK: pre-update trainer log-probs vs vLLM's, equal but for kernel rounding
                 diff = (old - vllm_logp).abs() * live
                 for key, v in [("logp_diff", diff), ("is_ratio", isw * live), ("tokens", live), ("kept_tokens", mask), ("entropy", ent * live)]:
-                    out[key] += v.sum().item()
+                    out[key] += v.sum()
                 for key, v in [("logp_diff", diff), ("is_ratio", isw[live.bool()]), ("neg_is_ratio", -isw[live.bool()])]:
-                    out[f"max/{key}"] = max(out[f"max/{key}"], v.max().item())
+                    out[f"max/{key}"] = torch.maximum(out[f"max/{key}"], v.max())
         out["grad_norm"] += float(engine.get_global_grad_norm() or 0.0) / cfg.num_iterations / world  # same on every rank
-    return out
+    return dict(zip(out, torch.stack([torch.as_tensor(v, device=device, dtype=torch.float64) for v in out.values()]).tolist()))
 
 def step_metrics(r: Rollouts, rewards, per_func: dict, group_std, sums: dict, device, world: int) -> dict:
     """Global metrics from every rank's sums and maxima; rewards over scored samples, clip and KL over loss tokens."""
@@ -705,6 +732,7 @@ def train(cfg: Config, device: torch.device) -> None:
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
     torch.manual_seed(cfg.seed)
     tokenizer, llm, engine, ref, tp_group, sleep_mode, mem = setup(cfg, model_path, device)
+    wake_bytes = int((mem["memory/vllm_awake_gib"] - mem["memory/vllm_asleep_gib"]) * 2**30) if sleep_mode else 0
     if resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
         engine.load_checkpoint(os.path.join(resume_dir, "deepspeed"), tag="state")
         say(f"resumed from {resume_dir}: continuing at step {start}", rank0=True)
@@ -721,7 +749,7 @@ def train(cfg: Config, device: torch.device) -> None:
     for step in range(start, cfg.max_steps):
         timer, t_step = PhaseTimer(sync=on_gpu), time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so the sync check covers every step)
-        push_weights_to_vllm(llm, engine.module, sleep_mode, timer)
+        push_weights_to_vllm(llm, engine.module, sleep_mode, timer, wake_bytes)
         with timer("eval"):
             metrics = {"step": step, **(evaluate(llm, tokenizer, source, cfg, tp_group, device) if do_eval(step) else {})}
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
@@ -735,9 +763,8 @@ def train(cfg: Config, device: torch.device) -> None:
         seed = zlib.crc32(f"{cfg.seed}:{step}:{RANK // tp}".encode()) << 20
         rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp, timer, seed))
         if sleep_mode:
-            with timer("sleep"):
+            with timer("sleep"):  # (what generation cached in torch's allocator, the trainer reuses)
                 llm.sleep(level=2)
-                torch.cuda.empty_cache()
         # ---- 3. rewards -> group-relative advantages
         with timer("reward"):
             rewards, per_func, failures = score(rollouts, cfg.reward_funcs, cfg.reward_weights)

@@ -137,7 +137,7 @@ def test_loss_kl_and_importance_weight_by_hand():
     loss, st = g.grpo_loss(torch.tensor([[0.0]]), torch.tensor([[0.0]]), torch.tensor([1.0]), torch.tensor([[1.0]]),
                            beta=0.1, ref_logp=torch.tensor([[math.log(2.0)]]), is_weight=torch.tensor([[0.5]]))
     assert loss.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # the IS weight scales the surrogate, not the KL
-    assert st["kl"] == pytest.approx(k3)
+    assert st["kl"].item() == pytest.approx(k3)
     w = g.importance_weights(torch.tensor([0.0, math.log(2), math.log(5)]), torch.zeros(3), cap=3.0)
     assert w.tolist() == pytest.approx([1.0, 2.0, 3.0])
 
@@ -378,9 +378,13 @@ def test_weight_push_order(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * 2**30, 80 * 2**30))  # 10 GiB free
+    g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True, wake_bytes=12 * 2**30)  # vLLM needs more than is free
     assert calls == ["empty_cache", "wake_up weights", "reload_weights 4 tensors", "empty_cache", "wake_up kv_cache",
                      "reset_prefix_cache"]
+    calls.clear()  # room enough: the trainer keeps its cached blocks (no cudaFree now, no cudaMalloc in its next step)
+    g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True, wake_bytes=8 * 2**30)
+    assert calls == ["wake_up weights", "reload_weights 4 tensors", "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=False)  # CPU: no sleep mode; the tied lm_head is repacked
@@ -594,6 +598,19 @@ def _zero3_worker(rank, world, port, model, q):
         loss.backward()
         worst = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-8)).item() for n, p in ref.named_parameters())
         out.append((loss_type, masked, iters, worst, sums["grad_norm"] * world, sum(norms) / len(norms), len(norms)))
+    # the weight push's gather: buckets of ~bucket_bytes, one GatheredParameters (one all-gather) each, the same tensors
+    buckets, Gathered = [], deepspeed.zero.GatheredParameters
+
+    class Counting(Gathered):
+        def __enter__(self):
+            buckets.append([p.ds_numel * p.element_size() for p in self.params])
+            return super().__enter__()
+    deepspeed.zero.GatheredParameters = Counting
+    one_by_one = {n: t.clone() for n, t in g.gathered_params(engine.module, bucket_bytes=0)}
+    n_params, total, buckets[:] = len(buckets), sum(map(sum, buckets)), []
+    bucketed = [(n, t.clone()) for n, t in g.gathered_params(engine.module, bucket_bytes=total // 4)]
+    same = [n for n, _ in bucketed] == list(one_by_one) and all(torch.equal(one_by_one[n], t) for n, t in bucketed)
+    out.append((n_params, len(buckets), max(sum(b[:-1]) for b in buckets) < total // 4, same))
     q.put((rank, out))
     dist.destroy_process_group()
 
@@ -602,10 +619,13 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
     """The loss denominators (dapo: global tokens / world; grpo, dr_grpo: sequences per rank; scale_wrt_gas=False) make
     DeepSpeed's rank-averaged, micro-batch-summed gradient the gradient of the whole global batch's loss, for every loss
     type, with and without masking. The model's config has attention dropout 0.5: build_trainer must switch it off
-    (vLLM samples without dropout), or these gradients would not match."""
+    (vLLM samples without dropout), or these gradients would not match. Then the weight push's bucketed gather: the same
+    tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket."""
     model = tiny_llama_folder(tmp_path / "model", dropout=0.5)
     for rank, out in run_workers(_zero3_worker, 2, model, timeout=600).items():
-        assert len(out) == 7
+        assert len(out) == 8
+        n_params, n_buckets, bounded, same = out.pop()  # the weight push's gather, in buckets of a quarter of the model
+        assert n_params > 20 and 4 <= n_buckets <= 5 and bounded and same
         for loss_type, masked, iters, worst, grad_norm, mean_norm, steps in out:
             assert worst < 1e-4, (loss_type, masked, worst)  # float32 rounding only
             assert steps == iters and grad_norm == pytest.approx(mean_norm, rel=1e-6)  # the mean over optimizer steps
@@ -692,11 +712,11 @@ import torch
 import grpo_colocate as g
 pushes, push, grpo_loss = [], g.push_weights_to_vllm, g.grpo_loss
 
-def faulty_push(llm, model, sleep_mode, timer=None):
+def faulty_push(llm, model, sleep_mode, timer=None, wake_bytes=0):
     pushes.append(1)
     if len(pushes) - 1 == 1:  # step 1: no push at all; the engine keeps the weights it had
         return
-    push(llm, model, sleep_mode, timer)
+    push(llm, model, sleep_mode, timer, wake_bytes)
     if len(pushes) - 1 == 2:  # step 2: a push, then reload_weights with no weights: it reloads the checkpoint from disk
         llm.collective_rpc("reload_weights")
         if not torch.cuda.is_available():

@@ -1,0 +1,96 @@
+"""Where the price of co-location goes (bench/README.md, "Performance"): the training engine and the vLLM engine the
+script builds, taking turns as the loop does -- train step (grpo_colocate.train_on_rollouts on one step's rollouts),
+wake_up(weights), weight push, wake_up(kv_cache), a short generation, sleep(level=2) -- each phase timed alone, for
+three ways of doing the turn:
+
+  per-parameter, empty_cache   one GatheredParameters per parameter; torch's cached blocks returned before each wake
+                               and after sleep (the loop before bucketing and make_room)
+  buckets, empty_cache         the gather in buckets of grpo_colocate.PUSH_BUCKET_BYTES
+  buckets, make_room           what grpo_colocate.py does: the trainer keeps its cached blocks when vLLM fits beside them
+
+and the gather alone (no vLLM) for both gathers. The KV cache is the script's (one step's batch); `KV=util` builds
+vLLM with the share --vllm_gpu_memory_utilization of the GPU instead (vLLM's default sizing, the script's before).
+
+    torchrun --nproc_per_node 1 bench/colocation_cost.py --model /tmp/random-1.5b --per_device_train_batch_size 16 \\
+        --gradient_accumulation_steps 4 --max_completion_length 256           # the 1.5B 64 x 256 step
+    KV=util torchrun --nproc_per_node 1 bench/colocation_cost.py ...          # the same with a 0.3 x GPU engine
+
+Prints one `COLOC {name}` line per way: median milliseconds per phase over REPEATS (3) cycles after a warm-up one,
+and the GPU memory free when the weights wake. GPU only (sleep mode is CUDA-only).
+"""
+import os, statistics, sys, time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo_colocate as g  # noqa: E402
+from train_phase import fake_rollouts  # noqa: E402
+
+
+def main():
+    cfg = g.parse_config(sys.argv[1:])
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dev = torch.device("cuda", local)
+    dist.init_process_group("nccl")
+    import deepspeed
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    deepspeed.init_distributed(dist_backend="nccl")
+    if os.environ.get("KV") == "util":  # vLLM sizes its KV cache from gpu_memory_utilization
+        import vllm
+        LLM = vllm.LLM
+        vllm.LLM = lambda *a, kv_cache_memory_bytes=None, **k: LLM(*a, **k)
+    model_path = g.default_model(build=local == 0) if cfg.model == "smollm2" else cfg.model
+    dist.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    free0 = torch.cuda.mem_get_info()[0]
+    llm = g.build_vllm(cfg, model_path, True, torch.bfloat16)
+    awake = free0 - torch.cuda.mem_get_info()[0]
+    llm.sleep(level=2)
+    torch.cuda.empty_cache()
+    wake_bytes = awake - (free0 - torch.cuda.mem_get_info()[0])
+    g.say(f"COLOC vLLM awake {awake / 2**30:.2f} GiB, wake maps {wake_bytes / 2**30:.2f} GiB "
+          f"(KV {'util ' + str(cfg.vllm_gpu_memory_utilization) if os.environ.get('KV') == 'util' else 'sized to the batch'})", rank0=True)
+    engine = g.build_trainer(cfg, model_path, g.fill_ds_config(cfg, dist.get_world_size(), True), torch.bfloat16)
+    r, adv = fake_rollouts(cfg, tokenizer, dist.get_rank(), cfg.max_completion_length)
+    pad, world = tokenizer.pad_token_id or 0, dist.get_world_size()
+    prompt = [g.chat_prompt_ids(tokenizer, "What is 2 + 3?")]
+    short = SamplingParams(n=cfg.num_generations, max_tokens=16, temperature=1.0)
+    ways = {"per-parameter, empty_cache": (0, False), "buckets, empty_cache": (g.PUSH_BUCKET_BYTES, False),
+            "buckets, make_room": (g.PUSH_BUCKET_BYTES, True)}
+    gather = g.gathered_params
+    repeats = int(os.environ.get("REPEATS", "3"))
+
+    def timed(t, name, fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        t[name].append(1000 * (time.perf_counter() - t0))
+
+    for name, (bucket, room) in ways.items():
+        t = defaultdict(list)
+        for i in range(repeats + 1):
+            timed(t, "train", lambda: g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, world))
+            t["free_at_wake_gib"].append(torch.cuda.mem_get_info()[0] / 2**30)
+            g.gathered_params = lambda m, b=bucket: gather(m, bucket_bytes=b)  # what push_weights_to_vllm streams
+            timer = g.PhaseTimer(sync=True)
+            timed(t, "wake+push+wake", lambda: g.push_weights_to_vllm(llm, engine.module, True, timer, wake_bytes if room else 0))
+            for k, v in timer.t.items(): t[k].append(1000 * v)
+            llm.generate([{"prompt_token_ids": prompt[0]}], short, use_tqdm=False)
+            timed(t, "sleep", lambda: (llm.sleep(level=2), None if room else torch.cuda.empty_cache()))
+            timed(t, "gather alone", lambda: sum(1 for _ in gather(engine.module, bucket_bytes=bucket)))
+            if i == 0: t.clear()  # the warm-up cycle
+        g.gathered_params = gather
+        med = {k: statistics.median(v) for k, v in t.items()}
+        g.say(f"COLOC {name:28s} " + "  ".join(f"{k} {v:.1f}" for k, v in med.items()) +
+              f"  | co-location (wake+push+sleep) {med['wake+push+wake'] + med['sleep']:.0f} ms", rank0=True)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

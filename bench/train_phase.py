@@ -1,0 +1,117 @@
+"""The train phase against its ceiling (bench/README.md, "Performance"): grpo_colocate.train_on_rollouts (the ZeRO-3
+engine's forward, backward and optimizer step over one step's micro-batches, exactly as the loop runs it) for
+ds_zero3.json and variants of its zero_optimization section, beside the plain transformers model's forward + backward
+over the same micro-batches (no DeepSpeed, no optimizer): the ceiling the train phase is measured against.
+
+    torchrun --nproc_per_node 1 bench/train_phase.py --model /tmp/random-1.5b --per_device_train_batch_size 16 \\
+        --gradient_accumulation_steps 4 --max_completion_length 256          # the 1.5B 64 x 256 step
+    VARIANTS=bench/zero3_variants.json torchrun --nproc_per_node 2 bench/train_phase.py ...   # 2 GPUs, same options
+
+Rollouts are the script's real chat prompts with random completion tokens of --max_completion_length (what the
+random-weight models generate: every completion runs to full length; `LEN=40` for shorter ones). Each variant: one
+warm-up step, then REPEATS (3) timed steps; the median. `BEST=path` writes the fastest variant's full config there,
+of those whose name does not start with "(": `stage3_module_granularity_threshold` fails on DeepSpeed's CPU path
+(record_stream on a CPU gradient), which the tests run, so it is measured but not chosen.
+Runs on CPU too (float32, gloo), for checking, not for timing.
+"""
+import copy, json, os, random, statistics, sys, time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo_colocate as g  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+def sync():
+    if CUDA: torch.cuda.synchronize()
+
+
+def fake_rollouts(cfg, tokenizer, rank: int, length: int) -> tuple:
+    """One step's Rollouts for this rank (real prompts, random completion tokens, vLLM log-probs of 0) and advantages."""
+    source, per_rank = g.PromptSource(cfg), cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    examples = [ex for ex in g.prompts_for_step(source, 0, per_rank // cfg.num_generations, dist.get_world_size()) for _ in range(cfg.num_generations)]
+    rng = random.Random(rank)
+    prompts = [g.chat_prompt_ids(tokenizer, ex["prompt"]) for ex in examples]
+    comps = [[rng.randrange(1000, min(40000, len(tokenizer))) for _ in range(length)] for _ in examples]
+    r = g.Rollouts(prompts, comps, [[0.0] * length for _ in comps], [""] * len(comps), [ex["answer"] for ex in examples],
+                   [length >= cfg.max_completion_length] * len(comps))
+    return r, torch.randn(len(comps), generator=torch.Generator().manual_seed(rank))
+
+
+def time_steps(fn, repeats: int) -> list[float]:
+    """Seconds of each call after one warm-up call."""
+    out = []
+    for i in range(repeats + 1):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        if i: out.append(time.perf_counter() - t0)
+    return out
+
+
+def peak_gib() -> float:
+    if not CUDA: return 0.0
+    p = torch.cuda.max_memory_allocated() / 2**30
+    torch.cuda.reset_peak_memory_stats()
+    return p
+
+
+def main():
+    cfg = g.parse_config(sys.argv[1:])
+    rank, local = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    if CUDA: torch.cuda.set_device(local)
+    dev = torch.device("cuda", local) if CUDA else torch.device("cpu")
+    dist.init_process_group("nccl" if CUDA else "gloo")
+    import deepspeed, deepspeed.ops
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if not CUDA: deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if CUDA else "gloo")
+    model_path = g.default_model(build=local == 0) if cfg.model == "smollm2" else cfg.model
+    dist.barrier()
+    tokenizer, world, dtype = AutoTokenizer.from_pretrained(model_path), dist.get_world_size(), torch.bfloat16 if CUDA else torch.float32
+    r, adv = fake_rollouts(cfg, tokenizer, rank, int(os.environ.get("LEN", cfg.max_completion_length)))
+    repeats, pad = int(os.environ.get("REPEATS", "3")), tokenizer.pad_token_id or 0
+    base = g.fill_ds_config(cfg, world, bf16=CUDA)
+    variants = {"ds_zero3.json": {}}
+    if os.environ.get("VARIANTS"): variants.update(json.load(open(os.environ["VARIANTS"])))
+    results = {}
+    for name, override in variants.items():
+        ds = copy.deepcopy(base)
+        ds["zero_optimization"].update(override)
+        engine = g.build_trainer(cfg, model_path, ds, dtype)
+        peak_gib()
+        t = time_steps(lambda: g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, world), repeats)
+        results[name] = (statistics.median(t), peak_gib(), ds)
+        g.say(f"TRAIN {name:40s} {statistics.median(t):7.3f} s/step (train phase)  {min(t):.3f}-{max(t):.3f}  "
+              f"peak allocated {results[name][1]:.1f} GiB  {json.dumps(override)}", rank0=True)
+        engine.destroy()
+        del engine
+        if CUDA: torch.cuda.empty_cache()
+    # the ceiling: the plain model's forward + backward over the same micro-batches (no ZeRO-3, no optimizer)
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dev)
+    plain.config.use_cache = False
+    mb = cfg.per_device_train_batch_size
+
+    def fwd_bwd():
+        for s in [slice(i, i + mb) for i in range(0, len(r.completions), mb)]:
+            logp, _ = g.sequence_logprobs(plain, r.prompts[s], r.completions[s], 1.0, dev, pad)
+            (logp.sum() / logp.numel()).backward()
+    t = statistics.median(time_steps(fwd_bwd, repeats))
+    g.say(f"PLAIN fwd+bwd {t:.3f} s over the same {len(r.completions)} rows ({len(r.completions) // mb} micro-batches), "
+          f"peak allocated {peak_gib():.1f} GiB", rank0=True)
+    best = min((k for k in results if not k.startswith("(")), key=lambda k: results[k][0])
+    for name, (s, peak, _) in results.items():
+        g.say(f"RATIO {name:40s} train phase / plain fwd+bwd = {s / t:.2f}{'  (fastest)' if name == best else ''}", rank0=True)
+    if rank == 0 and os.environ.get("BEST"):
+        ds = json.load(open(cfg.deepspeed_config))  # the file, "auto" values kept, with the fastest variant's overrides
+        ds["zero_optimization"].update(variants[best])
+        json.dump(ds, open(os.environ["BEST"], "w"), indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
