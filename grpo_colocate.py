@@ -603,8 +603,9 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
     # by the global token count / world, grpo and dr_grpo by this rank's sequences: the loss of the whole global batch.
     tokens_per_rank = max(all_reduce_dict({"t": (lens * keep).sum().item()}, device)["t"] / world, 1.0)
     logprobs = lambda model, s: sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id)
-    with torch.no_grad():  # the policy that sampled, frozen before the first update
+    with torch.no_grad():  # the policy that sampled, frozen before the first update; the frozen reference (beta > 0), once
         old_logps = [logprobs(engine, s)[0] for s in micro] if cfg.num_iterations > 1 else None
+        ref_logps = [logprobs(ref, s)[0] for s in micro] if ref is not None else [None] * len(micro)
     out = defaultdict(float, {f"max/{k}": torch.tensor(v, device=device) for k, v in [("logp_diff", 0.0), ("is_ratio", 0.0), ("neg_is_ratio", -math.inf)]})
     for it in range(cfg.num_iterations):
         for k, s in enumerate(micro):
@@ -613,9 +614,8 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
             live = (torch.arange(logp.shape[1], device=device)[None] < lens[s, None]).float()  # real tokens
             mask, vllm_logp = live * keep[s, None], vllm_logps[k]
             isw = importance_weights(old, vllm_logp, cfg.vllm_importance_sampling_cap)
-            with torch.no_grad(): ref_logp = logprobs(ref, s)[0] if ref is not None else None  # the frozen reference (beta > 0)
             loss, stats = grpo_loss(logp, old, advantages[s], mask, epsilon_low=cfg.epsilon,
-                                    epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta, ref_logp=ref_logp,
+                                    epsilon_high=cfg.epsilon_high or cfg.epsilon, beta=cfg.beta, ref_logp=ref_logps[k],
                                     is_weight=isw if cfg.vllm_importance_sampling_correction else None, loss_type=cfg.loss_type,
                                     max_completion_length=cfg.max_completion_length, num_sequences=n, num_tokens=tokens_per_rank)
             engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
@@ -634,8 +634,8 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages: torch.Tensor, cfg: C
 def step_metrics(r: Rollouts, rewards, per_func: dict, group_std, sums: dict, device, world: int) -> dict:
     """Global metrics from every rank's sums and maxima; rewards over scored samples, clip and KL over loss tokens."""
     lens, scored = [len(c) for c in r.completions], {k: v[~v.isnan()] for k, v in per_func.items()}
-    M = all_reduce_dict({"length": max(lens), "neg_length": -min(lens), **{k[4:]: sums.pop(k) for k in list(sums) if k.startswith("max/")}},
-                        device, dist.ReduceOp.MAX)
+    maxima, sums = {k[4:]: v for k, v in sums.items() if k[:4] == "max/"}, {k: v for k, v in sums.items() if k[:4] != "max/"}
+    M = all_reduce_dict({"length": max(lens), "neg_length": -min(lens), **maxima}, device, dist.ReduceOp.MAX)
     S = all_reduce_dict({"n": len(lens), "groups": len(group_std), "reward": rewards.nansum().item(),
                          "scored": (~rewards.isnan()).sum().item(), "reward_std": group_std.sum().item(),
                          "zero_std": (group_std < 1e-6).sum().item(), "length": sum(lens), "clipped": sum(r.truncated),

@@ -522,7 +522,9 @@ def _agree_worker(rank, world, port, q):
             "is_ratio": 4.0, "tokens": 4.0, "kept_tokens": 1.0, "max/logp_diff": 0.1 * (rank + 1), "max/is_ratio": 1.0,
             "max/neg_is_ratio": -1.0, "reward_failures": rank, "prompts_truncated": 0, "prompts_hash": 0}
     rewards, per_func = torch.tensor([1.0, math.nan]), {"correctness": torch.tensor([1.0, math.nan])}
+    before = dict(sums)
     out.append(g.step_metrics(r, rewards, per_func, torch.tensor([0.0]), sums, torch.device("cpu"), world))
+    out.append(sums == before)  # the caller's sums are left as they were
     q.put((rank, out))
     dist.destroy_process_group()
 
@@ -536,6 +538,7 @@ def test_every_rank_stops_when_one_fails():
         assert m["reward"] == m["accuracy"] == 1.0 and m["rewards/failures"] == 1  # the NaN sample is not averaged in
         assert m["completions/total_tokens"] == 8 and m["completions/max_length"] == 3 and m["completions/min_length"] == 1
         assert m["sampling/logp_diff_max"] == pytest.approx(0.2) and m["grad_norm"] == 1.0 and m["loss"] == 0.5
+        assert out[5] is True  # step_metrics left the caller's sums as they were
 
 
 def _preflight_worker(rank, world, port, model, base, q):
@@ -641,6 +644,43 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
         for loss_type, masked, iters, worst, grad_norm, mean_norm, steps in out:
             assert worst < 1e-4, (loss_type, masked, worst)  # float32 rounding only
             assert steps == iters and grad_norm == pytest.approx(mean_norm, rel=1e-6)  # the mean over optimizer steps
+
+
+def _reference_once_worker(rank, world, port, model, q):
+    """train_on_rollouts with num_iterations 3 and a reference model, on DeepSpeed's engine interface over a plain model."""
+    join_group(rank, world, port)
+    from transformers import AutoModelForCausalLM
+
+    class Engine(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m, self.steps = m, 0
+
+        def forward(self, **kw):
+            return self.m(**kw)
+
+        def backward(self, loss, scale_wrt_gas):
+            loss.backward()
+
+        def step(self):
+            self.steps += 1
+
+        def get_global_grad_norm(self):
+            return 0.0
+    policy, ref, ref_calls = Engine(AutoModelForCausalLM.from_pretrained(model)), AutoModelForCausalLM.from_pretrained(model).eval(), []
+    ref.register_forward_hook(lambda *args: ref_calls.append(1))
+    cfg = g.Config(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2, num_iterations=3, beta=0.1,
+                   max_completion_length=4)
+    r = g.Rollouts([[1, 2]] * 4, [[3, 4, 5]] * 4, [[-1.0] * 3] * 4, [""] * 4, ["1"] * 4, [False] * 4)
+    g.train_on_rollouts(policy, ref, r, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, torch.device("cpu"), 0, world)
+    q.put((rank, (len(ref_calls), policy.steps)))
+    dist.destroy_process_group()
+
+
+def test_reference_log_probs_are_computed_once_per_step(tmp_path):
+    """The frozen reference gives the same log-probs on every pass: one forward per micro-batch, not per iteration."""
+    for rank, (ref_forwards, steps) in run_workers(_reference_once_worker, 1, tiny_llama_folder(tmp_path / "m")).items():
+        assert (ref_forwards, steps) == (2, 6)  # 2 micro-batches; 2 micro-batches x 3 iterations
 
 
 # ------------------------------------------------------------------------------------------ end to end

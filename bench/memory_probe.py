@@ -8,7 +8,7 @@ options), then prints device-wide GPU memory in use, relative to the start, afte
                    everything freed: the library state (cuBLAS workspaces, attention kernels) a trainer
                    creates anyway, whether or not vLLM exists
     LLM()          and inside it vLLM's worker stages (init_device, load_model, ..., compile_or_warm_up_model)
-    sleep(2)       + torch.cuda.empty_cache(), as the training loop does
+    sleep(2)       + torch.cuda.empty_cache(), as grpo_colocate.setup does when it measures
     wake/sleep     one more cycle: does the residue grow per cycle?
     del LLM        engine gone: what stays for the life of the process
 

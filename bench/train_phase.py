@@ -10,8 +10,9 @@ over the same micro-batches (no DeepSpeed, no optimizer): the ceiling the train 
 Rollouts are the script's real chat prompts with random completion tokens of --max_completion_length (what the
 random-weight models generate: every completion runs to full length; `LEN=40` for shorter ones). Each variant: one
 warm-up step, then REPEATS (3) timed steps; the median. `BEST=path` writes the fastest variant's full config there,
-of those whose name does not start with "(": `stage3_module_granularity_threshold` fails on DeepSpeed's CPU path
-(record_stream on a CPU gradient), which the tests run, so it is measured but not chosen.
+of those whose name does not start with "(": with `stage3_module_granularity_threshold` the default run's gradient
+norm stayed 0.0 for 200 steps (nothing learned; bench/README.md), and DeepSpeed's CPU path fails on it (record_stream
+on a CPU gradient), so it is measured, never chosen.
 Runs on CPU too (float32, gloo), for checking, not for timing.
 """
 import copy, json, os, random, statistics, sys, time
