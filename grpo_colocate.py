@@ -118,8 +118,7 @@ def arithmetic_problem(rng: random.Random) -> dict:
         q, ans = f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
     elif kind == "two_step":
         c = rng.randint(1, a + b - 1)
-        q = f"{name} has {a} {item}, buys {b} more and then gives away {c}. How many {item} does {name} have now?"
-        ans = a + b - c
+        q, ans = f"{name} has {a} {item}, buys {b} more and then gives away {c}. How many {item} does {name} have now?", a + b - c
     else:
         op = rng.choice(["+", "-"])
         q, ans = f"What is {a} {op} {b}?", (a + b if op == "+" else a - b)
@@ -286,9 +285,8 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
 def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtype):
     """This rank's in-process engine; the ranks of a TP group build one engine together, with one seed."""
     from vllm import LLM
-    tp, on_gpu = cfg.vllm_tensor_parallel_size, torch.cuda.is_available()
+    tp, on_gpu, max_model_len = cfg.vllm_tensor_parallel_size, torch.cuda.is_available(), cfg.max_prompt_length + cfg.max_completion_length
     max_num_seqs = max(cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * tp, cfg.num_eval_prompts)
-    max_model_len = cfg.max_prompt_length + cfg.max_completion_length
     llm = LLM(model=model_path, tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
               seed=cfg.seed + RANK // tp, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len),
@@ -381,6 +379,8 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     model.config.use_cache = False
     if train and cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules one by one: hooks cost CPU time, per call
+    deepspeed.utils.set_z3_leaf_modules(model, model._no_split_modules or [], raise_if_not_found=False)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters() if train else None)
     if not train: engine.eval()
     return engine

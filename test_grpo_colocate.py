@@ -626,6 +626,7 @@ def _zero3_worker(rank, world, port, model, q):
     bucketed = [(n, t.clone()) for n, t in g.gathered_params(engine.module, bucket_bytes=total // 4)]
     same = [n for n, _ in bucketed] == list(one_by_one) and all(torch.equal(one_by_one[n], t) for n, t in bucketed)
     out.append((n_params, len(buckets), max(sum(b[:-1]) for b in buckets) < total // 4, same))
+    out.append(sorted(type(m).__name__ for m in deepspeed.utils.get_z3_leaf_modules(engine.module)))  # ZeRO-3's fetch units
     q.put((rank, out))
     dist.destroy_process_group()
 
@@ -634,11 +635,12 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
     """The loss denominators (dapo: global tokens / world; grpo, dr_grpo: sequences per rank; scale_wrt_gas=False) make
     DeepSpeed's rank-averaged, micro-batch-summed gradient the gradient of the whole global batch's loss, for every loss
     type, with and without masking. The model's config has attention dropout 0.5: build_trainer must switch it off
-    (vLLM samples without dropout), or these gradients would not match. Then the weight push's bucketed gather: the same
+    (vLLM samples without dropout), or these gradients would not match; each decoder layer is a ZeRO-3 leaf. Then the weight push's bucketed gather: the same
     tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket."""
     model = tiny_llama_folder(tmp_path / "model", dropout=0.5)
     for rank, out in run_workers(_zero3_worker, 2, model, timeout=600).items():
-        assert len(out) == 8
+        assert len(out) == 9
+        assert out.pop() == ["LlamaDecoderLayer"] * 2  # hooked and fetched a layer at a time: the gradients below still hold
         n_params, n_buckets, bounded, same = out.pop()  # the weight push's gather, in buckets of a quarter of the model
         assert n_params > 20 and 4 <= n_buckets <= 5 and bounded and same
         for loss_type, masked, iters, worst, grad_norm, mean_norm, steps in out:

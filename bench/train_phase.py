@@ -8,11 +8,13 @@ over the same micro-batches (no DeepSpeed, no optimizer): the ceiling the train 
     VARIANTS=bench/zero3_variants.json torchrun --nproc_per_node 2 bench/train_phase.py ...   # 2 GPUs, same options
 
 Rollouts are the script's real chat prompts with random completion tokens of --max_completion_length (what the
-random-weight models generate: every completion runs to full length; `LEN=40` for shorter ones). Each variant: one
-warm-up step, then REPEATS (3) timed steps; the median. `BEST=path` writes the fastest variant's full config there,
-of those whose name does not start with "(": with `stage3_module_granularity_threshold` the default run's gradient
-norm stayed 0.0 for 200 steps (nothing learned; bench/README.md), and DeepSpeed's CPU path fails on it (record_stream
-on a CPU gradient), so it is measured, never chosen.
+random-weight models generate: every completion runs to full length; `LEN=40` for shorter ones). A variant is a dict of
+zero_optimization overrides; `"z3_leaf_modules": false` (not a DeepSpeed key) builds the engine without build_trainer's
+decoder-layer leaf modules, so ZeRO-3 hooks every submodule. Each variant: one warm-up step, then REPEATS (3) timed
+steps; the median. The warm-up step's loss and gradient norm are printed: the same weights and rollouts, so they agree
+across variants to bf16 rounding (a variant that breaks the gradients shows there). `BEST=path` writes the fastest
+variant's full config there. Variants run one after the other in one process, and what an engine leaves allocated
+stays: peak memory grows from variant to variant and only the times compare.
 Runs on CPU too (float32, gloo), for checking, not for timing.
 """
 import copy, json, os, random, statistics, sys, time
@@ -79,16 +81,21 @@ def main():
     base = g.fill_ds_config(cfg, world, bf16=CUDA)
     variants = {"ds_zero3.json": {}}
     if os.environ.get("VARIANTS"): variants.update(json.load(open(os.environ["VARIANTS"])))
-    results = {}
+    results, set_leaves = {}, deepspeed.utils.set_z3_leaf_modules
     for name, override in variants.items():
-        ds = copy.deepcopy(base)
+        ds, override = copy.deepcopy(base), dict(override)
+        leaf = override.pop("z3_leaf_modules", True)  # not a config key: false = build_trainer's decoder-layer leaves left out
         ds["zero_optimization"].update(override)
+        deepspeed.utils.set_z3_leaf_modules = set_leaves if leaf else lambda *a, **k: []  # hooks on every submodule
         engine = g.build_trainer(cfg, model_path, ds, dtype)
+        deepspeed.utils.set_z3_leaf_modules = set_leaves
         peak_gib()
-        t = time_steps(lambda: g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, world), repeats)
+        first = []  # the warm-up step's loss and gradient norm: the same weights and rollouts, so equal across variants
+        t = time_steps(lambda: first.append(g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, world)), repeats)
         results[name] = (statistics.median(t), peak_gib(), ds)
         g.say(f"TRAIN {name:40s} {statistics.median(t):7.3f} s/step (train phase)  {min(t):.3f}-{max(t):.3f}  "
-              f"peak allocated {results[name][1]:.1f} GiB  {json.dumps(override)}", rank0=True)
+              f"peak allocated {results[name][1]:.1f} GiB  first step: loss {first[0]['loss']:.6e} grad_norm "
+              f"{first[0]['grad_norm']:.6e}  {json.dumps(override)}{'' if leaf else '  no z3 leaf modules'}", rank0=True)
         engine.destroy()
         del engine
         if CUDA: torch.cuda.empty_cache()
@@ -104,12 +111,12 @@ def main():
     t = statistics.median(time_steps(fwd_bwd, repeats))
     g.say(f"PLAIN fwd+bwd {t:.3f} s over the same {len(r.completions)} rows ({len(r.completions) // mb} micro-batches), "
           f"peak allocated {peak_gib():.1f} GiB", rank0=True)
-    best = min((k for k in results if not k.startswith("(")), key=lambda k: results[k][0])
+    best = min(results, key=lambda k: results[k][0])
     for name, (s, peak, _) in results.items():
         g.say(f"RATIO {name:40s} train phase / plain fwd+bwd = {s / t:.2f}{'  (fastest)' if name == best else ''}", rank0=True)
     if rank == 0 and os.environ.get("BEST"):
         ds = json.load(open(cfg.deepspeed_config))  # the file, "auto" values kept, with the fastest variant's overrides
-        ds["zero_optimization"].update(variants[best])
+        ds["zero_optimization"].update({k: v for k, v in variants[best].items() if k != "z3_leaf_modules"})
         json.dump(ds, open(os.environ["BEST"], "w"), indent=2)
     dist.destroy_process_group()
 
