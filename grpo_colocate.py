@@ -37,8 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bar per saved shard
 if not torch.cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns: found no GPU
 logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])  # also before vLLM sets its own logging up
-from transformers import HfArgumentParser  # noqa: E402 (after the environment it reads)
-from transformers.hf_argparser import HfArg  # noqa: E402
+from transformers.hf_argparser import HfArg, HfArgumentParser  # noqa: E402 (after the environment it reads)
 # DeepSpeed and vLLM use torch.distributed names that torch has deprecated: a warning per call, per step.
 warnings.filterwarnings("ignore", message=r".*(torch\.distributed.*deprecated|deprecated.*torch\.distributed)")
 # The process group is deliberately not bound to a device (see main); barrier() uses the rank's current GPU.
@@ -379,7 +378,8 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     model.config.use_cache = False
     if train and cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules one by one: hooks cost CPU time, per call
+    # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules one by one: hooks cost CPU time, per call.
+    # A leaf's gradients are reduced by its backward hook: layer inputs must need grad (frozen embeddings: enable_input_require_grads)
     deepspeed.utils.set_z3_leaf_modules(model, model._no_split_modules or [], raise_if_not_found=False)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=model.parameters() if train else None)
     if not train: engine.eval()
