@@ -306,6 +306,27 @@ def test_fill_ds_config():
     assert "auto" not in json.dumps(ds)
 
 
+def test_step_split_by_hand(tmp_path):
+    """bench/step_split.py, the READMEs' step figures: medians over steps 1..N-1 (step 0 left out), co-loc the median of
+    each step's wake + push + sleep, memory from the first step, an eval-only line skipped."""
+    sys.path.insert(0, os.path.join(HERE, "bench"))
+    from step_split import split
+    row = lambda step, gen, wake, push, sleep, train, lp: {
+        "step": step, "time/step": gen + wake + push + sleep + train, "time/generate": gen, "time/exchange": 0.0, "time/wake": wake,
+        "time/push": push, "time/sleep": sleep, "time/train": train, "samples_per_sec": 64 / (gen + wake + push + sleep + train),
+        "tokens_per_sec": 100.0, "generate_tokens_per_sec": 1000.0, "sampling/logp_diff_mean": lp, "sampling/logp_diff_max": 10 * lp}
+    rows = [{**row(0, 9.0, 1.0, 1.0, 1.0, 9.0, 0.5), "memory/vllm_awake_gib": 5.0, "memory/vllm_asleep_gib": 0.5, "eval/accuracy": 0.25},
+            row(1, 1.0, 0.3, 0.0, 0.15, 1.6, 0.1), row(2, 2.0, 0.0, 0.5, 0.0, 1.5, 0.2), row(3, 1.5, 0.1, 0.1, 0.1, 2.2, 0.3),
+            {"step": 4, "eval/accuracy": 0.5}]
+    s = split(rows)
+    # steps 1-3: step 3.05, 4.0, 4.0 s; gen 1.0, 2.0, 1.5; co-loc 0.45, 0.5, 0.3 (the sum of the phases' medians: 0.3)
+    assert s["steps"] == 4 and s["step_s"] == pytest.approx(4.0) and s["gen_s"] == pytest.approx(1.5)
+    assert s["coloc_s"] == pytest.approx(0.45) and s["train_s"] == pytest.approx(1.6) and s["coloc_share"] == pytest.approx(0.1125)
+    assert (s["wake_s"], s["push_s"], s["sleep_s"]) == pytest.approx((0.1, 0.1, 0.1)) and s["samples_per_sec"] == pytest.approx(16.0)
+    assert s["logp_diff_mean"] == pytest.approx(0.275) and s["logp_diff_max"] == pytest.approx(5.0)  # every step, step 0 too
+    assert (s["vllm_awake_gib"], s["vllm_asleep_gib"], s["eval_accuracy"]) == (5.0, 0.5, (0.25, 0.5, 0.5))
+
+
 def test_phase_timer():
     timer = g.PhaseTimer()
     for _ in range(2):
