@@ -10,7 +10,9 @@ rank (the largest over ranks, sampled from /proc every 0.5 s: host memory, what 
 
 Everything after `--` goes to grpo_colocate.py (defaults here: 4 completions per rank and step, 16 tokens, brevity reward).
 """
-import argparse, json, os, statistics, subprocess, sys, time
+import argparse, json, os, subprocess, sys, time
+
+from step_split import split  # (bench/ is on the path: this script's folder)
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,13 +58,9 @@ def main() -> None:
         if proc.returncode:
             print(f"{tp:>3}  failed (exit {proc.returncode}): see {os.path.join(out, 'log.txt')}")
             continue
-        rows = [m for m in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "loss" in m]
-        med = lambda f: statistics.median(f(m) for m in rows[1:] or rows)
-        gen = med(lambda m: m.get("time/generate", 0) + m.get("time/exchange", 0))
-        push = med(lambda m: m.get("time/wake", 0) + m.get("time/push", 0) + m.get("time/sleep", 0))
-        print(f"{tp:>3} {args.nproc // tp:>7} {med(lambda m: m['time/step']):>7.1f} {gen:>6.1f} {push:>6.2f} "
-              f"{med(lambda m: m['time/train']):>6.1f} {max(m['sampling/logp_diff_max'] for m in rows):>13.1e} "
-              f"{peak / 2**30:>10.2f} GiB  {time.time() - t0:.0f} s")
+        s = split([json.loads(line) for line in open(os.path.join(out, "metrics.jsonl")) if line.strip()])
+        print(f"{tp:>3} {args.nproc // tp:>7} {s['step_s']:>7.1f} {s['gen_s']:>6.1f} {s['coloc_s']:>6.2f} {s['train_s']:>6.1f} "
+              f"{s['logp_diff_max']:>13.1e} {peak / 2**30:>10.2f} GiB  {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":
