@@ -23,19 +23,16 @@ import argparse, json, os, statistics, sys, zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_colocate as g  # noqa: E402  (first: it sets vLLM's environment variables before vLLM is imported)
+from step_split import split  # noqa: E402  (bench/, this script's folder, is on the path)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
 def loop_rates(path: str, step: int) -> tuple:
     """A training run's generate_tokens_per_sec at `step`, and its median over steps >= 1 (step 0 warms up)."""
-    rates = {}
-    for line in open(path):
-        row = json.loads(line) if line.strip() else {}
-        if "generate_tokens_per_sec" in row:
-            rates[row["step"]] = row["generate_tokens_per_sec"]
-    later = [v for s, v in rates.items() if s >= 1] or list(rates.values())
-    return rates.get(step), statistics.median(later) if later else None
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    at_step = next((r["generate_tokens_per_sec"] for r in rows if r.get("step") == step and "time/step" in r), None)
+    return at_step, split(rows)["generate_tokens_per_sec"] if any("time/step" in r for r in rows) else None
 
 
 def main() -> None:
