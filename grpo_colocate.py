@@ -20,7 +20,7 @@ Launch (`bash run.sh` installs the environment and does this; add --save_steps 5
 """
 from __future__ import annotations
 
-import importlib.util, json, logging, math, numbers, os, random, re, shutil, signal, sys, time, warnings, zlib
+import importlib.util, json, logging, math, numbers, os, random, re, shutil, signal, time, warnings, zlib
 from collections import defaultdict, namedtuple
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -788,13 +788,13 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, NonFiniteError) as e:  # agreed by every rank: one line each, no traceback
         say(f"error: {e}")
         dist.barrier()  # every rank reports before torchrun, seeing the first exit, stops the others
-        sys.exit(2 if isinstance(e, ConfigError) else 3)
+        os._exit(2 if isinstance(e, ConfigError) else 3)  # not sys.exit: teardown beside live gloo/NCCL threads can SIGABRT
     except (dist.DistError, RuntimeError) as e:
         if not isinstance(e, dist.DistError) and not re.search(r"gloo|NCCL|Connection (closed|reset)|Broken pipe|timed out|Timeout", str(e)):
             raise  # a bug, not a lost rank: keep the traceback
         say(f"error: rank {RANK}: lost contact with another rank, which stopped or died (its own message, if any, is above): "
             f"{str(e).splitlines()[0][:200]}")
-        sys.exit(4)
+        os._exit(4)  # (say() flushed the line; nothing is left to save)
 
 if __name__ == "__main__":
     main()
