@@ -609,10 +609,15 @@ def _zero3_worker(rank, world, port, model, q):
     vllm = [(-3 * torch.rand(len(c), generator=gen)).tolist() for c in comps]
     adv, trunc = torch.randn(len(comps), generator=gen), [len(c) == T for c in comps]
     mine, out = slice(rank * per_rank, (rank + 1) * per_rank), []
-    for loss_type, masked, iters in [(t, m, 1) for t in ("grpo", "dr_grpo", "dapo") for m in (False, True)] + [("dapo", False, 2)]:
+    # ds_zero3.json keeps parameters under 1e7 elements whole (all of this tiny model's layers): once as the file says, then
+    # with a threshold of 0, every parameter partitioned and gathered a leaf (decoder layer) at a time
+    cases = [("dapo", True, 1, None)] + [(t, m, 1, 0) for t in ("grpo", "dr_grpo", "dapo") for m in (False, True)] + [("dapo", False, 2, 0)]
+    for loss_type, masked, iters, persist in cases:
         cfg = g.Config(per_device_train_batch_size=3, gradient_accumulation_steps=2, num_generations=2, loss_type=loss_type,
                        mask_truncated_completions=masked, num_iterations=iters, max_completion_length=T, learning_rate=1e-3)
-        engine, grads, norms = g.build_trainer(cfg, model, g.fill_ds_config(cfg, world, bf16=False), torch.float32), {}, []
+        ds = g.fill_ds_config(cfg, world, bf16=False)
+        if persist is not None: ds["zero_optimization"]["stage3_param_persistence_threshold"] = persist
+        engine, grads, norms = g.build_trainer(cfg, model, ds, torch.float32), {}, []
         step = engine.step
 
         def capture():  # the full (all-rank, averaged) gradient, before the optimizer consumes it
@@ -633,7 +638,8 @@ def _zero3_worker(rank, world, port, model, q):
         loss, _ = g.grpo_loss(logp, logp.detach(), adv, live * keep, is_weight=isw, loss_type=loss_type, max_completion_length=T)
         loss.backward()
         worst = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-8)).item() for n, p in ref.named_parameters())
-        out.append((loss_type, masked, iters, worst, sums["grad_norm"] * world, sum(norms) / len(norms), len(norms)))
+        out.append((loss_type, masked, iters, worst, sums["grad_norm"] * world, sum(norms) / len(norms), len(norms),
+                    sum(p.ds_persist for p in engine.module.parameters()) / len(list(engine.module.parameters()))))
     # the weight push's gather: buckets of ~bucket_bytes, one GatheredParameters (one all-gather) each, the same tensors
     buckets, Gathered = [], deepspeed.zero.GatheredParameters
 
@@ -656,15 +662,17 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
     """The loss denominators (dapo: global tokens / world; grpo, dr_grpo: sequences per rank; scale_wrt_gas=False) make
     DeepSpeed's rank-averaged, micro-batch-summed gradient the gradient of the whole global batch's loss, for every loss
     type, with and without masking. The model's config has attention dropout 0.5: build_trainer must switch it off
-    (vLLM samples without dropout), or these gradients would not match; each decoder layer is a ZeRO-3 leaf. Then the weight push's bucketed gather: the same
+    (vLLM samples without dropout), or these gradients would not match; each decoder layer is a ZeRO-3 leaf; parameters kept
+    whole (ds_zero3.json's persistence threshold) or all partitioned. Then the weight push's bucketed gather: the same
     tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket."""
     model = tiny_llama_folder(tmp_path / "model", dropout=0.5)
     for rank, out in run_workers(_zero3_worker, 2, model, timeout=600).items():
-        assert len(out) == 9
+        assert len(out) == 10
         assert out.pop() == ["LlamaDecoderLayer"] * 2  # hooked and fetched a layer at a time: the gradients below still hold
         n_params, n_buckets, bounded, same = out.pop()  # the weight push's gather, in buckets of a quarter of the model
         assert n_params > 20 and 4 <= n_buckets <= 5 and bounded and same
-        for loss_type, masked, iters, worst, grad_norm, mean_norm, steps in out:
+        assert out[0][-1] > 0.5 and all(persisted == 0 for *_, persisted in out[1:])  # the file's threshold, then none kept whole
+        for loss_type, masked, iters, worst, grad_norm, mean_norm, steps, _ in out:
             assert worst < 1e-4, (loss_type, masked, worst)  # float32 rounding only
             assert steps == iters and grad_norm == pytest.approx(mean_norm, rel=1e-6)  # the mean over optimizer steps
 

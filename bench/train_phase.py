@@ -10,11 +10,13 @@ over the same micro-batches (no DeepSpeed, no optimizer): the ceiling the train 
 Rollouts are the script's real chat prompts with random completion tokens of --max_completion_length (what the
 random-weight models generate: every completion runs to full length; `LEN=40` for shorter ones). A variant is a dict of
 zero_optimization overrides; `"z3_leaf_modules": false` (not a DeepSpeed key) builds the engine without build_trainer's
-decoder-layer leaf modules, so ZeRO-3 hooks every submodule. Each variant: one warm-up step, then REPEATS (3) timed
-steps; the median. The warm-up step's loss and gradient norm are printed: the same weights and rollouts, so they agree
+decoder-layer leaf modules, so ZeRO-3 hooks every submodule; `"optimizer_params"` is merged into the optimizer's params
+(`{"fused": false}`: torch's foreach AdamW instead of its fused kernel). Each variant: one warm-up step, then REPEATS
+(3) timed steps; the median. The warm-up step's loss and gradient norm are printed: the same weights and rollouts, so they agree
 across variants to bf16 rounding (a variant that breaks the gradients shows there). `BEST=path` writes the fastest
-variant's full config there. Variants run one after the other in one process, and what an engine leaves allocated
-stays: peak memory grows from variant to variant and only the times compare.
+variant's full config there. Variants run one after the other in one process, after the plain model, and
+what an engine leaves allocated stays (DeepSpeed keeps references to it): at 1.5B each takes ~20 GiB, so an H200 runs
+five variants, then goes out of memory.
 Runs on CPU too (float32, gloo), for checking, not for timing.
 """
 import copy, json, os, random, statistics, sys, time
@@ -81,10 +83,24 @@ def main():
     base = g.fill_ds_config(cfg, world, bf16=CUDA)
     variants = {"ds_zero3.json": {}}
     if os.environ.get("VARIANTS"): variants.update(json.load(open(os.environ["VARIANTS"])))
+    # the ceiling: the plain model's forward + backward over the same micro-batches (no ZeRO-3, no optimizer)
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dev)
+    plain.config.use_cache = False
+    mb = cfg.per_device_train_batch_size
+
+    def fwd_bwd():
+        for s in [slice(i, i + mb) for i in range(0, len(r.completions), mb)]:
+            logp, _ = g.sequence_logprobs(plain, r.prompts[s], r.completions[s], 1.0, dev, pad)
+            (logp.sum() / logp.numel()).backward()
+    plain_s = statistics.median(time_steps(fwd_bwd, repeats))
+    g.say(f"PLAIN fwd+bwd {plain_s:.3f} s over the same {len(r.completions)} rows ({len(r.completions) // mb} micro-batches), "
+          f"peak allocated {peak_gib():.1f} GiB", rank0=True)
+    del plain
     results, set_leaves = {}, deepspeed.utils.set_z3_leaf_modules
     for name, override in variants.items():
         ds, override = copy.deepcopy(base), dict(override)
         leaf = override.pop("z3_leaf_modules", True)  # not a config key: false = build_trainer's decoder-layer leaves left out
+        ds["optimizer"]["params"].update(override.pop("optimizer_params", {}))
         ds["zero_optimization"].update(override)
         deepspeed.utils.set_z3_leaf_modules = set_leaves if leaf else lambda *a, **k: []  # hooks on every submodule
         engine = g.build_trainer(cfg, model_path, ds, dtype)
@@ -95,28 +111,17 @@ def main():
         results[name] = (statistics.median(t), peak_gib(), ds)
         g.say(f"TRAIN {name:40s} {statistics.median(t):7.3f} s/step (train phase)  {min(t):.3f}-{max(t):.3f}  "
               f"peak allocated {results[name][1]:.1f} GiB  first step: loss {first[0]['loss']:.6e} grad_norm "
-              f"{first[0]['grad_norm']:.6e}  {json.dumps(override)}{'' if leaf else '  no z3 leaf modules'}", rank0=True)
+              f"{first[0]['grad_norm']:.6e}  {json.dumps(variants[name])}", rank0=True)
         engine.destroy()
         del engine
         if CUDA: torch.cuda.empty_cache()
-    # the ceiling: the plain model's forward + backward over the same micro-batches (no ZeRO-3, no optimizer)
-    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dev)
-    plain.config.use_cache = False
-    mb = cfg.per_device_train_batch_size
-
-    def fwd_bwd():
-        for s in [slice(i, i + mb) for i in range(0, len(r.completions), mb)]:
-            logp, _ = g.sequence_logprobs(plain, r.prompts[s], r.completions[s], 1.0, dev, pad)
-            (logp.sum() / logp.numel()).backward()
-    t = statistics.median(time_steps(fwd_bwd, repeats))
-    g.say(f"PLAIN fwd+bwd {t:.3f} s over the same {len(r.completions)} rows ({len(r.completions) // mb} micro-batches), "
-          f"peak allocated {peak_gib():.1f} GiB", rank0=True)
     best = min(results, key=lambda k: results[k][0])
     for name, (s, peak, _) in results.items():
-        g.say(f"RATIO {name:40s} train phase / plain fwd+bwd = {s / t:.2f}{'  (fastest)' if name == best else ''}", rank0=True)
+        g.say(f"RATIO {name:40s} train phase / plain fwd+bwd = {s / plain_s:.2f}{'  (fastest)' if name == best else ''}", rank0=True)
     if rank == 0 and os.environ.get("BEST"):
         ds = json.load(open(cfg.deepspeed_config))  # the file, "auto" values kept, with the fastest variant's overrides
-        ds["zero_optimization"].update({k: v for k, v in variants[best].items() if k != "z3_leaf_modules"})
+        ds["optimizer"]["params"].update(variants[best].get("optimizer_params", {}))
+        ds["zero_optimization"].update({k: v for k, v in variants[best].items() if k not in ("z3_leaf_modules", "optimizer_params")})
         json.dump(ds, open(os.environ["BEST"], "w"), indent=2)
     dist.destroy_process_group()
 
