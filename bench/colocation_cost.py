@@ -19,7 +19,8 @@ vLLM with the share --vllm_gpu_memory_utilization of the GPU instead (vLLM's def
 
 Prints one `COLOC {name}` line per way: median milliseconds per phase over REPEATS (3) cycles after a warm-up one,
 the GPU memory free when the weights wake, and the weight-sync check of the loop: the mean |trainer - vLLM| log-prob
-of the short generation's tokens after each push (bf16 kernel rounding, ~0.03, if the engine holds the trained weights). GPU only (sleep mode is CUDA-only).
+of the short generation's tokens after each push (bf16 kernel rounding, ~0.02 at 1.5B, if the engine holds the trained
+weights). GPU only (sleep mode is CUDA-only).
 """
 import os, statistics, sys, time
 from collections import defaultdict
