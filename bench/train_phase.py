@@ -46,6 +46,16 @@ def fake_rollouts(cfg, tokenizer, rank: int, length: int) -> tuple:
     return r, torch.randn(len(comps), generator=torch.Generator().manual_seed(rank))
 
 
+def apply_variant(ds: dict, variant: dict) -> bool:
+    """ds (a DeepSpeed config) updated in place with a variant's optimizer params and zero_optimization overrides; returns
+    whether the engine keeps build_trainer's decoder-layer leaf modules ("z3_leaf_modules" is not a DeepSpeed key)."""
+    variant = dict(variant)
+    leaf = variant.pop("z3_leaf_modules", True)
+    ds["optimizer"]["params"].update(variant.pop("optimizer_params", {}))
+    ds["zero_optimization"].update(variant)
+    return leaf
+
+
 def time_steps(fn, repeats: int) -> list[float]:
     """Seconds of each call after one warm-up call."""
     out = []
@@ -98,10 +108,8 @@ def main():
     del plain
     results, set_leaves = {}, deepspeed.utils.set_z3_leaf_modules
     for name, override in variants.items():
-        ds, override = copy.deepcopy(base), dict(override)
-        leaf = override.pop("z3_leaf_modules", True)  # not a config key: false = build_trainer's decoder-layer leaves left out
-        ds["optimizer"]["params"].update(override.pop("optimizer_params", {}))
-        ds["zero_optimization"].update(override)
+        ds = copy.deepcopy(base)
+        leaf = apply_variant(ds, override)
         deepspeed.utils.set_z3_leaf_modules = set_leaves if leaf else lambda *a, **k: []  # hooks on every submodule
         engine = g.build_trainer(cfg, model_path, ds, dtype)
         deepspeed.utils.set_z3_leaf_modules = set_leaves
@@ -120,8 +128,7 @@ def main():
         g.say(f"RATIO {name:40s} train phase / plain fwd+bwd = {s / plain_s:.2f}{'  (fastest)' if name == best else ''}", rank0=True)
     if rank == 0 and os.environ.get("BEST"):
         ds = json.load(open(cfg.deepspeed_config))  # the file, "auto" values kept, with the fastest variant's overrides
-        ds["optimizer"]["params"].update(variants[best].get("optimizer_params", {}))
-        ds["zero_optimization"].update({k: v for k, v in variants[best].items() if k not in ("z3_leaf_modules", "optimizer_params")})
+        apply_variant(ds, variants[best])
         json.dump(ds, open(os.environ["BEST"], "w"), indent=2)
     dist.destroy_process_group()
 
