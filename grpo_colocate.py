@@ -98,8 +98,7 @@ class NonFiniteError(RuntimeError):
 
 # ====================================================================================================== task, data, rewards
 SYSTEM_PROMPT = "Answer math questions. Always end with the final number inside <answer></answer>."
-# Two worked examples as earlier chat turns: told only, a 135M model never writes <answer> tags; with these,
-# about half its samples do at step 0, so the format reward has spread to learn from.
+# Two worked examples as chat turns: told only, a 135M model never writes <answer> tags; shown, half its step-0 samples do.
 FEW_SHOT = [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "3 + 4 = 7. <answer>7</answer>"},
             {"role": "user", "content": "Tom has 9 coins and gives away 4. How many coins are left?"},
             {"role": "assistant", "content": "9 - 4 = 5. <answer>5</answer>"}]
@@ -125,7 +124,6 @@ def arithmetic_problem(rng: random.Random) -> dict:
 
 class PromptSource:
     """source[i]: training example i, the same on every rank and run with one seed, never an eval prompt."""
-
     def __init__(self, cfg: Config):
         rows = None if cfg.dataset == "arithmetic" else load_rows(cfg)
         self.eval_rows = rows[: cfg.num_eval_prompts] if rows else \
@@ -317,19 +315,16 @@ def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None 
     # the trainer's cached blocks go back (a cudaFree each, a cudaMalloc each in its next step) only if vLLM's wake_bytes won't fit
     make_room = lambda: torch.cuda.empty_cache() if wake_bytes <= 0 or torch.cuda.mem_get_info()[0] < wake_bytes + 2**30 else None
     if sleep_mode:
-        with timer("wake"):
-            make_room()
-            llm.wake_up(tags=["weights"])
-    with timer("push"):
-        # checkpoint-format tensors: vLLM fuses qkv, cuts its own TP shard (TRL's colocate mode once shipped the reload bug)
-        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=gathered_params(model), is_checkpoint_format=True))
-        if not torch.cuda.is_available():  # vLLM's CPU backend packs linear weights once: repack the tied lm_head
+        with timer("wake"): make_room(); llm.wake_up(tags=["weights"])
+    with timer("push"):  # checkpoint-format tensors: vLLM fuses qkv / gate-up and cuts its own TP shard
+        if torch.cuda.is_available():  # the model's own loader copies them into the engine's (unquantized) tensors in place
+            llm.apply_model(lambda m: m.load_weights(gathered_params(model)))
+        else:  # vLLM's CPU backend packs linear weights: its layer-wise reload packs them again; repack the tied lm_head
+            llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=gathered_params(model), is_checkpoint_format=True))
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
             llm.apply_model(lambda m: dispatch_cpu_unquantized_gemm(m.lm_head, remove_weight=False))
     if sleep_mode:
-        with timer("wake"):
-            make_room()  # (the gather buffers are cached now)
-            llm.wake_up(tags=["kv_cache"])
+        with timer("wake"): make_room(); llm.wake_up(tags=["kv_cache"])  # (make_room: the gather buffers are cached now)
     llm.reset_prefix_cache()
 
 def default_model(build: bool) -> str:
@@ -345,8 +340,7 @@ def default_model(build: bool) -> str:
     model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True))
     # Not model.save_pretrained: once a process group exists it writes from global rank 0 only, and other nodes got no weights
     model.config.architectures = [type(model).__name__]
-    model.config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
+    for c in (model.config, model.generation_config): c.save_pretrained(tmp)
     from safetensors.torch import save_file  # (a tied lm_head is the embedding: stored once, as save_pretrained does)
     save_file({k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and model.config.tie_word_embeddings)},
               os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -533,10 +527,17 @@ def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[
 # sampled token ids (EOS included), vLLM's log-prob of each sampled token, text, reference answer, cut at max length.
 Rollouts = namedtuple("Rollouts", "prompts completions vllm_logps texts answers truncated")
 
-def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs) -> Rollouts:
-    rows = [(p, list(o.token_ids), [lp[t].logprob for lp, t in zip(o.logprobs, o.token_ids)], o.text, ex["answer"],
-             o.finish_reason == "length") for ex, p, out in zip(examples, prompt_ids, outputs) for o in out.outputs]
-    return Rollouts(*map(list, zip(*rows)))
+def sampling_params(n: int, temperature: float, max_tokens: int):
+    """Token ids and the sampled tokens' log-probs (logprobs=0) as flat lists, not an object per token; no text: vLLM's
+    per-token detokenizing runs in this process between decode steps (collect_rollouts decodes once, in a batch)."""
+    from vllm import SamplingParams
+    return SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, detokenize=False, flat_logprobs=True)
+
+def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs, tokenizer) -> Rollouts:
+    outs = [(ex, p, o) for ex, p, out in zip(examples, prompt_ids, outputs) for o in out.outputs]
+    texts = tokenizer.batch_decode([o.token_ids for *_, o in outs], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return Rollouts(*map(list, zip(*[(p, list(o.token_ids), list(o.logprobs.logprobs), text, ex["answer"], o.finish_reason == "length")
+                                     for (ex, p, o), text in zip(outs, texts)])))
 
 def safe_rewards(fn, texts: list[str], answers: list[str]) -> tuple[list[float], list[str]]:
     """fn's rewards, NaN where it raises or returns a non-number (a reward bug must not end the run), and what went wrong."""
@@ -667,12 +668,11 @@ def log_metrics(m: dict, path: str) -> None:
 
 def evaluate(llm, tokenizer, source: PromptSource, cfg: Config, tp_group, device) -> dict:
     """Greedy accuracy and format on the held-out eval set, split over the ranks (vLLM must be awake)."""
-    from vllm import SamplingParams
     rows = source.eval_rows[RANK:: dist.get_world_size()]
-    outs = generate(llm, encode_prompts(tokenizer, [x["prompt"] for x in rows], cfg.max_prompt_length)[0],
-                    SamplingParams(n=1, temperature=0.0, max_tokens=cfg.max_completion_length), tp_group, cfg.vllm_tensor_parallel_size)
-    texts, answers = [o.outputs[0].text for o in outs], [x["answer"] for x in rows]
-    s = all_reduce_dict({"acc": sum(correctness_reward(texts, answers)), "fmt": sum(format_reward(texts, answers)), "n": len(rows)}, device)
+    ids = encode_prompts(tokenizer, [x["prompt"] for x in rows], cfg.max_prompt_length)[0]
+    outs = generate(llm, ids, sampling_params(1, 0.0, cfg.max_completion_length), tp_group, cfg.vllm_tensor_parallel_size)
+    r = collect_rollouts(rows, ids, outs, tokenizer)
+    s = all_reduce_dict({"acc": sum(correctness_reward(r.texts, r.answers)), "fmt": sum(format_reward(r.texts, r.answers)), "n": len(rows)}, device)
     return {"eval/accuracy": s["acc"] / s["n"], "eval/format": s["fmt"] / s["n"]}
 
 def setup(cfg: Config, model_path: str, device) -> tuple:
@@ -700,7 +700,6 @@ def setup(cfg: Config, model_path: str, device) -> tuple:
     return AutoTokenizer.from_pretrained(model_path), llm, engine, ref, tp_group, sleep_mode, mem
 
 def train(cfg: Config, device: torch.device) -> None:
-    from vllm import SamplingParams
     on_gpu, world, tp, G = device.type == "cuda", dist.get_world_size(), cfg.vllm_tensor_parallel_size, cfg.num_generations
     model_path, source, (resume_dir, start) = preflight(cfg, world, on_gpu)
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # completions per rank per step
@@ -713,7 +712,7 @@ def train(cfg: Config, device: torch.device) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM): signal.signal(sig, request_stop)
     say(f"model {model_path} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step ({per_rank // G} prompts x {G}) | "
            f"sleep mode {sleep_mode} | {engine.module.dtype}", rank0=True)
-    sampling = SamplingParams(n=G, temperature=cfg.temperature, max_tokens=cfg.max_completion_length, logprobs=0)  # the sampled token's
+    sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
     log_path, warned = os.path.join(cfg.output_dir, "metrics.jsonl"), False
     if RANK == 0:  # a resumed run keeps the lines of the steps it does not redo
         kept = [ln for ln in open(log_path) if json.loads(ln)["step"] < start] if start and os.path.exists(log_path) else []
@@ -735,7 +734,8 @@ def train(cfg: Config, device: torch.device) -> None:
             warned = True
         # every sample's seed is a function of (seed, step, engine, prompt), not of the engine's history: exact resumes
         seed = zlib.crc32(f"{cfg.seed}:{step}:{RANK // tp}".encode()) << 20
-        rollouts = collect_rollouts(examples, prompt_ids, generate(llm, prompt_ids, sampling, tp_group, tp, timer, seed))
+        outputs = generate(llm, prompt_ids, sampling, tp_group, tp, timer, seed)
+        with timer("generate"): rollouts = collect_rollouts(examples, prompt_ids, outputs, tokenizer)  # (+ text decoding)
         if sleep_mode:
             with timer("sleep"): llm.sleep(level=2)  # (what generation cached in torch's allocator, the trainer reuses)
         # ---- 3. rewards -> group-relative advantages

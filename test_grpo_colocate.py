@@ -392,7 +392,8 @@ def test_kv_cache_holds_one_step_batch_by_hand(tmp_path):
 
 def test_weight_push_order(monkeypatch):
     """The sequence that makes a level-2-asleep engine sample from the weights just trained: wake the weight memory,
-    stream every parameter (never a reload from disk), free the gather buffers, wake the KV cache, drop old prefixes."""
+    stream every parameter (never a reload from disk: on GPU into the model's load_weights, on CPU into the layer-wise
+    reload_weights that repacks them), free the gather buffers, wake the KV cache, drop old prefixes."""
     calls = []
 
     class FakeLLM:
@@ -403,8 +404,12 @@ def test_weight_push_order(monkeypatch):
             assert kwargs and kwargs["is_checkpoint_format"], "reload_weights without weights reloads the checkpoint from disk"
             calls.append(f"{method} {len(list(kwargs['weights_iterator']))} tensors")
 
-        def apply_model(self, fn):
+        def apply_model(self, fn):  # the model's own load_weights (GPU), or the CPU backend's lm_head repack
+            if "load_weights" in fn.__code__.co_names: return fn(self)
             calls.append("repack lm_head")
+
+        def load_weights(self, weights):
+            calls.append(f"load_weights {len(list(weights))} tensors")
 
         def reset_prefix_cache(self):
             calls.append("reset_prefix_cache")
@@ -413,11 +418,11 @@ def test_weight_push_order(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * 2**30, 80 * 2**30))  # 10 GiB free
     g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True, wake_bytes=12 * 2**30)  # vLLM needs more than is free
-    assert calls == ["empty_cache", "wake_up weights", "reload_weights 4 tensors", "empty_cache", "wake_up kv_cache",
+    assert calls == ["empty_cache", "wake_up weights", "load_weights 4 tensors", "empty_cache", "wake_up kv_cache",
                      "reset_prefix_cache"]
     calls.clear()  # room enough: the trainer keeps its cached blocks (no cudaFree now, no cudaMalloc in its next step)
     g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True, wake_bytes=8 * 2**30)
-    assert calls == ["wake_up weights", "reload_weights 4 tensors", "wake_up kv_cache", "reset_prefix_cache"]
+    assert calls == ["wake_up weights", "load_weights 4 tensors", "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=False)  # CPU: no sleep mode; the tied lm_head is repacked

@@ -1,14 +1,14 @@
 """Where the price of co-location goes (bench/README.md, "Performance"): the training engine and the vLLM engine the
 script builds, taking turns as the loop does -- train step (grpo_colocate.train_on_rollouts on one step's rollouts),
 wake_up(weights), weight push, wake_up(kv_cache), a short generation, sleep(level=2) -- each phase timed alone, for
-three ways of doing the turn:
+four ways of doing the turn:
 
   per-parameter, empty_cache   one GatheredParameters per parameter; torch's cached blocks returned before each wake
-                               and after sleep (the loop before bucketing and make_room)
+                               and after sleep; vLLM's layer-wise reload_weights loads them
   buckets, empty_cache         the gather in buckets of grpo_colocate.PUSH_BUCKET_BYTES
-  buckets, make_room           what grpo_colocate.py does: the trainer keeps its cached blocks when vLLM fits beside them
-  ..., load_weights            the same, the weights copied by the model's own load_weights instead of vLLM's layer-wise
-                               reload_weights (no re-processing: right for unquantized weights on GPU only)
+  buckets, make_room           the trainer keeps its cached blocks when vLLM fits beside them
+  the script                   what grpo_colocate.py does on GPU: the same, loaded by the model's own load_weights
+                               (copied in place, no layer-wise rebuild and re-processing)
 
 and the gather alone (no vLLM) for both gathers. The KV cache is the script's (one step's batch); `KV=util` builds
 vLLM with the share --vllm_gpu_memory_utilization of the GPU instead (vLLM's default sizing, the script's before).
@@ -42,7 +42,6 @@ def main():
     dist.init_process_group("nccl")
     import deepspeed
     from transformers import AutoTokenizer
-    from vllm import SamplingParams
     deepspeed.init_distributed(dist_backend="nccl")
     if os.environ.get("KV") == "util":  # vLLM sizes its KV cache from gpu_memory_utilization
         import vllm
@@ -63,14 +62,14 @@ def main():
     r, adv = fake_rollouts(cfg, tokenizer, dist.get_rank(), cfg.max_completion_length)
     pad, world = tokenizer.pad_token_id or 0, dist.get_world_size()
     prompt = [g.chat_prompt_ids(tokenizer, "What is 2 + 3?")]
-    short = SamplingParams(n=cfg.num_generations, max_tokens=16, temperature=1.0, logprobs=0)
-    ways = {"per-parameter, empty_cache": (0, False, False), "buckets, empty_cache": (g.PUSH_BUCKET_BYTES, False, False),
-            "buckets, make_room": (g.PUSH_BUCKET_BYTES, True, False), "buckets, make_room, load_weights": (g.PUSH_BUCKET_BYTES, True, True)}
-    rpc = llm.collective_rpc
+    short = g.sampling_params(cfg.num_generations, 1.0, 16)
+    ways = {"per-parameter, empty_cache": (0, False, True), "buckets, empty_cache": (g.PUSH_BUCKET_BYTES, False, True),
+            "buckets, make_room": (g.PUSH_BUCKET_BYTES, True, True), "the script": (g.PUSH_BUCKET_BYTES, True, False)}
+    apply = llm.apply_model
 
-    def load_direct(method, *a, kwargs=None, **k):  # reload_weights -> the model's load_weights on the same stream
-        if method != "reload_weights": return rpc(method, *a, kwargs=kwargs, **k)
-        return llm.apply_model(lambda m: m.load_weights(kwargs["weights_iterator"]))
+    def via_reload(fn):  # the push's model.load_weights -> vLLM's reload_weights of the same gathered tensors
+        return llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=g.gathered_params(engine.module),
+                                                                is_checkpoint_format=True))
     gather = g.gathered_params
     repeats = int(os.environ.get("REPEATS", "3"))
 
@@ -81,8 +80,8 @@ def main():
         torch.cuda.synchronize()
         t[name].append(1000 * (time.perf_counter() - t0))
 
-    for name, (bucket, room, direct) in ways.items():
-        t, llm.collective_rpc = defaultdict(list), load_direct if direct else rpc
+    for name, (bucket, room, reload) in ways.items():
+        t, llm.apply_model = defaultdict(list), via_reload if reload else apply
         for i in range(repeats + 1):
             timed(t, "train", lambda: g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, world))
             t["free_at_wake_gib"].append(torch.cuda.mem_get_info()[0] / 2**30)
@@ -90,14 +89,14 @@ def main():
             timer = g.PhaseTimer(sync=True)
             timed(t, "wake+push+wake", lambda: g.push_weights_to_vllm(llm, engine.module, True, timer, wake_bytes if room else 0))
             for k, v in timer.t.items(): t[k].append(1000 * v)
-            ro = g.collect_rollouts([{"answer": ""}], prompt, llm.generate([{"prompt_token_ids": prompt[0]}], short, use_tqdm=False))
+            ro = g.collect_rollouts([{"answer": ""}], prompt, llm.generate([{"prompt_token_ids": prompt[0]}], short, use_tqdm=False), tokenizer)
             with torch.no_grad():
                 lp = g.sequence_logprobs(engine, ro.prompts, ro.completions, 1.0, dev, pad)[0]
             t["logp_diff"].append(statistics.mean(abs(a - b) for i, v in enumerate(ro.vllm_logps) for a, b in zip(lp[i].tolist(), v)))
             timed(t, "sleep", lambda: (llm.sleep(level=2), None if room else torch.cuda.empty_cache()))
             timed(t, "gather alone", lambda: sum(1 for _ in gather(engine.module, bucket_bytes=bucket)))
             if i == 0: t.clear()  # the warm-up cycle
-        g.gathered_params, llm.collective_rpc = gather, rpc
+        g.gathered_params, llm.apply_model = gather, apply
         med = {k: statistics.median(v) for k, v in t.items()}
         g.say(f"COLOC {name:28s} " + "  ".join(f"{k} {v:.1f}" if k != "logp_diff" else f"{k} {v:.4f}" for k, v in med.items()) +
               f"  | co-location (wake+push+sleep) {med['wake+push+wake'] + med['sleep']:.0f} ms", rank0=True)

