@@ -429,6 +429,34 @@ def test_weight_push_order(monkeypatch):
     assert calls == ["reload_weights 4 tensors", "repack lm_head", "reset_prefix_cache"]
 
 
+def test_rollouts_from_flat_outputs_and_one_batch_decode():
+    """The engine returns token ids and flat log-prob lists, no text (sampling_params); collect_rollouts gives one row
+    per completion in order (completion k of prompt i is row i*G + k), each with its own log-probs, the prompt's answer,
+    whether it hit max_tokens, and its text decoded as vLLM's detokenizer writes it (special tokens skipped)."""
+    from types import SimpleNamespace
+    from transformers import AutoTokenizer
+    from vllm.logprobs import FlatLogprobs
+    params = g.sampling_params(2, 0.7, 9)
+    assert (params.n, params.temperature, params.max_tokens, params.logprobs) == (2, 0.7, 9, 0)
+    assert params.detokenize is False and params.flat_logprobs is True
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    texts = [["3 + 4 = 7. <answer>7</answer>", "It is 9"], ["<answer>12</answer>", "no"]]
+
+    def completion(text, k):
+        ids = tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if k == 0 else [])  # EOS: a special token
+        lp = FlatLogprobs()
+        for j, t in enumerate(ids): lp.append_fast([t], [-0.1 * (j + 1) - k], iter([1]), [None])
+        return SimpleNamespace(token_ids=ids, logprobs=lp, finish_reason="stop" if k == 0 else "length")
+    outputs = [SimpleNamespace(outputs=[completion(t, k) for k, t in enumerate(pair)]) for pair in texts]
+    r = g.collect_rollouts([{"answer": "7"}, {"answer": "12"}], [[1, 2], [3]], outputs, tok)
+    assert r.texts == [t for pair in texts for t in pair]
+    assert r.prompts == [[1, 2], [1, 2], [3], [3]] and r.answers == ["7", "7", "12", "12"]
+    assert r.truncated == [False, True, False, True]
+    assert [len(c) for c in r.completions] == [len(v) for v in r.vllm_logps]
+    assert r.vllm_logps[1] == pytest.approx([-1.1 - 0.1 * j for j in range(len(r.completions[1]))])
+    assert r.completions[0][-1] == tok.eos_token_id
+
+
 # ------------------------------------------------------------------------------------------ bad input, agreement
 @pytest.mark.parametrize("override,world,message", [
     ({"vllm_tensor_parallel_size": 3}, 2, "must divide the number of processes (2)"),
