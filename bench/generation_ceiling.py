@@ -7,7 +7,8 @@ push between them. Each repeat prints completion tokens of all ranks per second 
 generation + text decoding (what the loop logs as generate_tokens_per_sec); then the median. With --metrics, the same
 figure from a training run: at step --step, and its median over steps 1 and later. --variants times other
 SamplingParams beside the loop's, in turn within each repeat (so that a drift of the machine hits all alike): a JSON
-list of overrides, `{}` the loop's own; `"seeds": false` leaves the seeding to vLLM.
+list of overrides, `{}` the loop's own; `"seeds": false` leaves the seeding to vLLM (with `"detokenize": false`, keep
+`flat_logprobs`: the loop's collect_rollouts reads that format).
 
   torchrun --nproc_per_node 1 bench/generation_ceiling.py --repeats 5 --metrics runs/grpo/metrics.jsonl
   torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-1.5b --repeats 3
@@ -81,10 +82,9 @@ def main() -> None:
             params, timer, seeded = sampling.clone(), g.PhaseTimer(sync=on_gpu), v.pop("seeds", True)
             for k, x in v.items(): setattr(params, k, x)
             outs = g.generate(llm, prompt_ids, params, tp_group, tp, timer, seed if seeded else None)
-            with timer("generate"):  # the loop decodes the texts in collect_rollouts, timed as generation
-                ids = [o.token_ids for out in outs for o in out.outputs]
-                if not params.detokenize: tokenizer.batch_decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-            tokens = g.all_reduce_dict({"t": sum(map(len, ids))}, device)["t"]
+            if not params.detokenize:  # the loop's collect_rollouts (its text decoding), timed as generation, as there
+                with timer("generate"): g.collect_rollouts(examples, prompt_ids, outs, tokenizer)
+            tokens = g.all_reduce_dict({"t": sum(len(o.token_ids) for out in outs for o in out.outputs)}, device)["t"]
             seconds = timer.t["generate"] + timer.t["exchange"]
             rates[j].append(tokens / seconds)
             g.say(f"repeat {i + 1}/{args.repeats} {json.dumps(variants[j])}: {tokens:.0f} tokens in {seconds:.2f} s = "
