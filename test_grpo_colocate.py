@@ -404,9 +404,10 @@ def test_weight_push_order(monkeypatch):
             assert kwargs and kwargs["is_checkpoint_format"], "reload_weights without weights reloads the checkpoint from disk"
             calls.append(f"{method} {len(list(kwargs['weights_iterator']))} tensors")
 
-        def apply_model(self, fn):  # the model's own load_weights (GPU), or the CPU backend's lm_head repack
-            if "load_weights" in fn.__code__.co_names: return fn(self)
-            calls.append("repack lm_head")
+        lm_head = "the tied lm_head"
+
+        def apply_model(self, fn):  # the engine runs fn on its model: here the fake is the model too
+            return fn(self)
 
         def load_weights(self, weights):
             calls.append(f"load_weights {len(list(weights))} tensors")
@@ -414,6 +415,9 @@ def test_weight_push_order(monkeypatch):
         def reset_prefix_cache(self):
             calls.append("reset_prefix_cache")
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    import vllm.model_executor.layers.utils as vllm_utils  # the CPU backend's repack, recorded
+    monkeypatch.setattr(vllm_utils, "dispatch_cpu_unquantized_gemm",
+                        lambda layer, remove_weight: calls.append(f"repack {layer}, remove_weight={remove_weight}"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * 2**30, 80 * 2**30))  # 10 GiB free
@@ -426,7 +430,7 @@ def test_weight_push_order(monkeypatch):
     calls.clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=False)  # CPU: no sleep mode; the tied lm_head is repacked
-    assert calls == ["reload_weights 4 tensors", "repack lm_head", "reset_prefix_cache"]
+    assert calls == ["reload_weights 4 tensors", "repack the tied lm_head, remove_weight=False", "reset_prefix_cache"]
 
 
 def test_rollouts_from_flat_outputs_and_one_batch_decode():
