@@ -9,7 +9,8 @@ over the same micro-batches (no DeepSpeed, no optimizer): the ceiling the train 
 
 Rollouts are the script's real chat prompts with random completion tokens of --max_completion_length (what the
 random-weight models generate: every completion runs to full length; `LEN=40` for shorter ones). A variant is a dict of
-zero_optimization overrides; `"z3_leaf_modules": false` (not a DeepSpeed key) builds the engine without build_trainer's
+zero_optimization overrides (`"compile": {"deepcompile": true}` sets that top-level section and calls engine.compile());
+`"z3_leaf_modules": false` (not a DeepSpeed key) builds the engine without build_trainer's
 decoder-layer leaf modules, so ZeRO-3 hooks every submodule; `"optimizer_params"` is merged into the optimizer's params
 (`{"fused": false}`: torch's foreach AdamW instead of its fused kernel). Each variant: one warm-up step, then REPEATS
 (3) timed steps; the median. The warm-up step's loss and gradient norm are printed: the same weights and rollouts, so they agree
@@ -51,6 +52,7 @@ def apply_variant(ds: dict, variant: dict) -> bool:
     whether the engine keeps build_trainer's decoder-layer leaf modules ("z3_leaf_modules" is not a DeepSpeed key)."""
     variant = dict(variant)
     leaf = variant.pop("z3_leaf_modules", True)
+    if "compile" in variant: ds["compile"] = variant.pop("compile")  # a top-level DeepSpeed section (DeepCompile)
     ds["optimizer"]["params"].update(variant.pop("optimizer_params", {}))
     ds["zero_optimization"].update(variant)
     return leaf
@@ -113,13 +115,14 @@ def main():
         deepspeed.utils.set_z3_leaf_modules = set_leaves if leaf else lambda *a, **k: []  # hooks on every submodule
         engine = g.build_trainer(cfg, model_path, ds, dtype)
         deepspeed.utils.set_z3_leaf_modules = set_leaves
+        if ds.get("compile", {}).get("deepcompile"): engine.compile()  # DeepCompile: ZeRO-3 as compiled graph passes, no hooks
         peak_gib()
         first = []  # the warm-up step's loss and gradient norm: the same weights and rollouts, so equal across variants
         t = time_steps(lambda: first.append(g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, world)), repeats)
         results[name] = (statistics.median(t), peak_gib(), ds)
         g.say(f"TRAIN {name:40s} {statistics.median(t):7.3f} s/step (train phase)  {min(t):.3f}-{max(t):.3f}  "
               f"peak allocated {results[name][1]:.1f} GiB  first step: loss {first[0]['loss']:.6e} grad_norm "
-              f"{first[0]['grad_norm']:.6e}  {json.dumps(variants[name])}", rank0=True)
+              f"{first[0]['grad_norm']:.6e}  {json.dumps(variants[name])}  all: {' '.join(f'{x:.3f}' for x in t)}", rank0=True)
         engine.destroy()
         del engine
         if CUDA: torch.cuda.empty_cache()

@@ -5,9 +5,9 @@ the same importance-sampling correction (per token, min(exp(logp_trainer - logp_
 TRL's default is "sequence_mask") -- so that the two step times compare like for like. Needs `pip install trl datasets`
 beside requirements.txt.
 
-  colocate, 1 GPU:  MODEL=path STEPS=20 BS=16 GAS=2 G=8 MAXTOK=128 torchrun --nproc_per_node 1 bench/trl_peer.py
-    (= torchrun --nproc_per_node 1 grpo_colocate.py --model path --max_steps 20 --per_device_train_batch_size 16
-       --gradient_accumulation_steps 2 --num_generations 8 --max_completion_length 128)
+  colocate, 1 GPU:  MODEL=path STEPS=20 BS=32 GAS=1 G=8 MAXTOK=128 torchrun --nproc_per_node 1 bench/trl_peer.py
+    (= torchrun --nproc_per_node 1 grpo_colocate.py --model path --max_steps 20 --per_device_train_batch_size 32
+       --gradient_accumulation_steps 1 --num_generations 8 --max_completion_length 128)
   server mode:      CUDA_VISIBLE_DEVICES=1 trl vllm-serve --model path --gpu_memory_utilization 0.9 --max_model_len 768 &
                     SLEEP=0 MODE=server CUDA_VISIBLE_DEVICES=0 MODEL=path STEPS=8 BS=16 GAS=4 G=8 MAXTOK=256 torchrun ...
     (`trl vllm-serve` runs vLLM's OpenAI server: it needs uvicorn, fastapi, watchfiles, ... beyond requirements.txt)
@@ -25,7 +25,7 @@ from trl import GRPOConfig, GRPOTrainer
 import grpo_colocate as g
 
 E = os.environ
-STEPS, BS, GAS, G = int(E.get("STEPS", "8")), int(E.get("BS", "16")), int(E.get("GAS", "2")), int(E.get("G", "8"))
+STEPS, BS, GAS, G = int(E.get("STEPS", "8")), int(E.get("BS", "32")), int(E.get("GAS", "1")), int(E.get("G", "8"))
 MAXTOK = int(E.get("MAXTOK", "128"))
 # the default model: built here by a 1-rank run (ranks building it at once would race), or by grpo_colocate.py
 MODEL = E.get("MODEL") or g.default_model(build=E.get("WORLD_SIZE", "1") == "1")
