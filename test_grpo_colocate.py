@@ -327,6 +327,24 @@ def test_step_split_by_hand(tmp_path):
     assert (s["vllm_awake_gib"], s["vllm_asleep_gib"], s["eval_accuracy"]) == (5.0, 0.5, (0.25, 0.5, 0.5))
 
 
+
+def test_bench_llm_kwargs_adds_arguments_to_the_engine(tmp_path):
+    """bench/llm_kwargs.py (bench/README's CUDA-graph rows): the script it runs builds vllm.LLM with LLM_KWARGS added, a dict
+    merged into the one the script passes, and gets its own arguments. vLLM's own __init__ is replaced by a recorder."""
+    script = tmp_path / "probe.py"
+    script.write_text("import json, sys, vllm\nseen = {}\n"
+                      "vllm.LLM.__mro__[1].__init__ = lambda self, *a, **k: seen.update(k)  # the original class: record only\n"
+                      "from vllm import LLM\nLLM(model='m', compilation_config={'mode': 3})\n"
+                      "print(json.dumps({'argv': sys.argv, 'seen': seen}))\n")
+    extra = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": True}
+    out = subprocess.run([sys.executable, os.path.join(HERE, "bench", "llm_kwargs.py"), str(script), "--warmup", "x"],
+                         env={**os.environ, "LLM_KWARGS": json.dumps(extra)}, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["argv"] == [str(script), "--warmup", "x"]
+    assert got["seen"] == {"model": "m", "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": True}
+
+
 def test_phase_timer():
     timer = g.PhaseTimer()
     for _ in range(2):

@@ -14,13 +14,13 @@ options), then prints device-wide GPU memory in use, relative to the start, afte
 
     torchrun --nproc_per_node 1 bench/memory_probe.py [--warmup] [--eager_nccl] [grpo_colocate options]
     torchrun --nproc_per_node 2 bench/memory_probe.py --model /tmp/random-1.5b --vllm_tensor_parallel_size 2
-    LLM_KWARGS='{"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}' torchrun ... bench/memory_probe.py --warmup
+    LLM_KWARGS='{"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}' torchrun --nproc_per_node 1 \
+        bench/llm_kwargs.py bench/memory_probe.py --warmup                # other LLM() arguments (bench/llm_kwargs.py)
 
 --model defaults to grpo_colocate's (SmolLM2-135M-Instruct, built once into ~/.cache/grpo_colocate).
 --eager_nccl binds the process group to the GPU (init_process_group(device_id=...)): torch then creates the
 NCCL communicator of every new group at once, vLLM's included, and that memory (2.3 GiB on an H200) stays
 through sleep. grpo_colocate.main leaves device_id unset, so communicators are made on first use.
-LLM_KWARGS (json): LLM() arguments added to (dicts: merged into) grpo_colocate.build_vllm's, e.g. CUDA-graph settings.
 GPU only.
 """
 import gc
@@ -103,17 +103,6 @@ for name in ("init_device", "load_model", "determine_available_memory", "initial
             return inner
         setattr(gpu_worker.Worker, name, wrap(getattr(gpu_worker.Worker, name)))
 
-if os.environ.get("LLM_KWARGS"):  # build_vllm imports LLM when called: hand it a subclass that adds these arguments
-    import json
-    import vllm
-    extra = json.loads(os.environ["LLM_KWARGS"])
-
-    class LLM(vllm.LLM):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **{**k, **{n: {**k[n], **v} if isinstance(v, dict) and isinstance(k.get(n), dict) else v
-                                            for n, v in extra.items()}})
-    vllm.LLM = LLM
-    print(f"[env] LLM() gets {extra}", flush=True)
 llm = g.build_vllm(cfg, model_path, True, torch.bfloat16)  # sleep mode on, as in training
 mark("LLM() built")
 awake = last[0]
