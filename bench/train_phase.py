@@ -9,8 +9,8 @@ over the same micro-batches (no DeepSpeed, no optimizer): the ceiling the train 
 
 Rollouts are the script's real chat prompts with random completion tokens of --max_completion_length (what the
 random-weight models generate: every completion runs to full length; `LEN=40` for shorter ones). A variant is a dict of
-zero_optimization overrides (`"compile": {"deepcompile": true}` sets that top-level section and calls engine.compile());
-`"z3_leaf_modules": false` (not a DeepSpeed key) builds the engine without build_trainer's
+zero_optimization overrides; `"compile": {"deepcompile": true}` sets that top-level section and calls engine.compile()
+(DeepCompile, GPU only); `"z3_leaf_modules": false` (not a DeepSpeed key) builds the engine without build_trainer's
 decoder-layer leaf modules, so ZeRO-3 hooks every submodule; `"optimizer_params"` is merged into the optimizer's params
 (`{"fused": false}`: torch's foreach AdamW instead of its fused kernel). Each variant: one warm-up step, then REPEATS
 (3) timed steps; the median. The warm-up step's loss and gradient norm are printed: the same weights and rollouts, so they agree
