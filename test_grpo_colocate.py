@@ -327,7 +327,6 @@ def test_step_split_by_hand(tmp_path):
     assert (s["vllm_awake_gib"], s["vllm_asleep_gib"], s["eval_accuracy"]) == (5.0, 0.5, (0.25, 0.5, 0.5))
 
 
-
 def test_bench_llm_kwargs_adds_arguments_to_the_engine(tmp_path):
     """bench/llm_kwargs.py (bench/README's CUDA-graph rows): the script it runs builds vllm.LLM with LLM_KWARGS added, a dict
     merged into the one the script passes, and gets its own arguments. vLLM's own __init__ is replaced by a recorder."""
