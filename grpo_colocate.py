@@ -32,8 +32,7 @@ import torch.distributed as dist
 # Read by vLLM, DeepSpeed and transformers (external_launcher runs the engine in this process); the shell's values win.
 # On CPU, vLLM's warnings are about its CPU backend (no tcmalloc, no Triton, eager mode, thread binding): errors only.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if torch.cuda.is_available() else "ERROR")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for k, v in [("VLLM_NO_USAGE_STATS", "1"), ("TOKENIZERS_PARALLELISM", "false")]: os.environ.setdefault(k, v)
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bar per saved shard
 if not torch.cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns: found no GPU
 logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])  # also before vLLM sets its own logging up
@@ -75,7 +74,7 @@ class Config:  # names follow TRL's GRPOConfig where they mean the same thing
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
     vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts only if this share of GPU memory is free (its KV cache holds one step's batch)")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory (sleep level 2) while training; CUDA only")
-    vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs (slower generation, faster start-up); always on for CPU")
+    vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs (2.6x slower generation on an H200); always on for CPU")
     deepspeed_config: str = HfArg(default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"), help='DeepSpeed ZeRO-3 config; its "auto" values come from these options')
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass (large models)")
     output_dir: str = HfArg(default="runs/grpo", help="metrics.jsonl, checkpoints, the final model; with several nodes, on a filesystem they share")
@@ -112,8 +111,7 @@ def arithmetic_problem(rng: random.Random) -> dict:
     if kind == "add":
         q, ans = f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", a + b
     elif kind == "sub":
-        a, b = max(a, b), min(a, b)
-        q, ans = f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
+        q, ans = f"{name} has {max(a, b)} {item} and gives away {min(a, b)}. How many {item} are left?", abs(a - b)
     elif kind == "two_step":
         c = rng.randint(1, a + b - 1)
         q, ans = f"{name} has {a} {item}, buys {b} more and then gives away {c}. How many {item} does {name} have now?", a + b - c
@@ -289,6 +287,8 @@ def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtyp
               max_num_batched_tokens=min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len),
               enable_sleep_mode=sleep_mode, logprobs_mode="processed_logprobs",  # after temperature, as the trainer's
               enforce_eager=cfg.vllm_enforce_eager or not on_gpu, use_tqdm_on_load=False,  # CPU: compiling takes minutes
+              # GPU: CUDA graphs of decode steps (2.6x faster generation) of the uncompiled model: no torch.compile at start-up,
+              compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},  # and less memory that sleep cannot free
               kv_cache_memory_bytes=kv_cache_bytes(model_path, tp, max_num_seqs, max_model_len, dtype),
               **(dict(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization) if on_gpu else {}))
     # vLLM warns at every push about modules without checkpoint weights (rotary embedding, tied lm_head): expected

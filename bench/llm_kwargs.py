@@ -1,10 +1,10 @@
 """Run a script (grpo_colocate.py or a bench/ script) with extra vLLM LLM() arguments, to measure an engine setting
 without editing the script: LLM_KWARGS (json) is added to the arguments grpo_colocate.build_vllm passes (a dict is
-merged into the one passed, e.g. compilation_config).
+merged into the one passed, e.g. compilation_config; the examples give vLLM's default graphs: compiled, prefill too).
 
-    LLM_KWARGS='{"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}' \\
+    LLM_KWARGS='{"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}' \\
         torchrun --nproc_per_node 1 bench/llm_kwargs.py bench/memory_probe.py --warmup
-    LLM_KWARGS='{"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}' \\
+    LLM_KWARGS='{"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}' \\
         torchrun --nproc_per_node 1 bench/llm_kwargs.py grpo_colocate.py --max_steps 40 --eval_steps 0
 """
 import json, os, runpy, sys

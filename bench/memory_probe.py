@@ -14,7 +14,7 @@ options), then prints device-wide GPU memory in use, relative to the start, afte
 
     torchrun --nproc_per_node 1 bench/memory_probe.py [--warmup] [--eager_nccl] [grpo_colocate options]
     torchrun --nproc_per_node 2 bench/memory_probe.py --model /tmp/random-1.5b --vllm_tensor_parallel_size 2
-    LLM_KWARGS='{"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}}' torchrun --nproc_per_node 1 \
+    LLM_KWARGS='{"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}' torchrun --nproc_per_node 1 \
         bench/llm_kwargs.py bench/memory_probe.py --warmup                # other LLM() arguments (bench/llm_kwargs.py)
 
 --model defaults to grpo_colocate's (SmolLM2-135M-Instruct, built once into ~/.cache/grpo_colocate).
