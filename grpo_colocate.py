@@ -32,8 +32,8 @@ import torch.distributed as dist
 # Read by vLLM, DeepSpeed and transformers (external_launcher runs the engine in this process); the shell's values win.
 # On CPU, vLLM's warnings are about its CPU backend (no tcmalloc, no Triton, eager mode, thread binding): errors only.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if torch.cuda.is_available() else "ERROR")
-for k, v in [("VLLM_NO_USAGE_STATS", "1"), ("TOKENIZERS_PARALLELISM", "false")]: os.environ.setdefault(k, v)
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bar per saved shard
+for k, v in [("VLLM_NO_USAGE_STATS", "1"), ("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1")]:
+    os.environ.setdefault(k, v)  # (the last: no progress bar per saved shard)
 if not torch.cuda.is_available(): os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns: found no GPU
 logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])  # also before vLLM sets its own logging up
 from transformers.hf_argparser import HfArg, HfArgumentParser  # noqa: E402 (after the environment it reads)
