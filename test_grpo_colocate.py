@@ -475,6 +475,7 @@ def test_sleep_keeps_torch_cache_for_the_trainer(monkeypatch):
     torch.cuda.empty_cache()
     assert calls == ["sleep 2", "empty_cache"]
 
+
 def test_rollouts_from_flat_outputs_and_one_batch_decode():
     """The engine returns token ids and flat log-prob lists, no text (sampling_params); collect_rollouts gives one row
     per completion in order (completion k of prompt i is row i*G + k), each with its own log-probs, the prompt's answer,
