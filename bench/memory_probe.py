@@ -12,7 +12,7 @@ options), then prints device-wide GPU memory in use, relative to the start, afte
     wake/sleep     one more cycle: does the residue grow per cycle?
     del LLM        engine gone: what stays for the life of the process
 
-    torchrun --nproc_per_node 1 bench/memory_probe.py [--warmup] [--eager_nccl] [grpo_colocate options]
+    torchrun --nproc_per_node 1 bench/memory_probe.py [--warmup] [--eager_nccl] [--snapshot] [grpo_colocate options]
     torchrun --nproc_per_node 2 bench/memory_probe.py --model /tmp/random-1.5b --vllm_tensor_parallel_size 2
     LLM_KWARGS='{"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}' torchrun --nproc_per_node 1 \
         bench/llm_kwargs.py bench/memory_probe.py --warmup                # other LLM() arguments (bench/llm_kwargs.py)
@@ -21,8 +21,12 @@ options), then prints device-wide GPU memory in use, relative to the start, afte
 --eager_nccl binds the process group to the GPU (init_process_group(device_id=...)): torch then creates the
 NCCL communicator of every new group at once, vLLM's included, and that memory (2.3 GiB on an H200) stays
 through sleep. grpo_colocate.main leaves device_id unset, so communicators are made on first use.
+--snapshot records PyTorch's allocations from LLM() on and, after sleep, prints what stays: PyTorch's segments by
+pool (vLLM's CUDA-graph pool is one), the live blocks grouped by the line outside torch that allocated them, and the
+device memory PyTorch does not hold (CUDA graph objects, loaded kernels, communicators).
 GPU only.
 """
+import collections
 import gc
 import os
 import subprocess
@@ -35,7 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_colocate as g  # noqa: E402
 
-flags = {a for a in sys.argv[1:] if a in ("--warmup", "--eager_nccl")}
+flags = {a for a in sys.argv[1:] if a in ("--warmup", "--eager_nccl", "--snapshot")}
 cfg = g.parse_config([a for a in sys.argv[1:] if a not in flags])
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 torch.cuda.set_device(local_rank)
@@ -103,6 +107,39 @@ for name in ("init_device", "load_model", "determine_available_memory", "initial
             return inner
         setattr(gpu_worker.Worker, name, wrap(getattr(gpu_worker.Worker, name)))
 
+
+
+def residue(top: int = 12) -> None:
+    """After sleep: PyTorch's segments by pool (vLLM's sleep pool is unmapped: listed, not in use), the live blocks
+    outside it by the first frame outside torch that allocated them, and device memory outside PyTorch."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+    slept = set(CuMemAllocator.get_instance().pointer_to_data)
+    pools, sites, held = collections.Counter(), collections.Counter(), 0
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        if seg["address"] in slept:
+            pools["vLLM sleep pool (unmapped while asleep)"] += seg["total_size"]
+            continue
+        pool_id = tuple(seg.get("segment_pool_id", (0, 0)))
+        pools["default" if pool_id == (0, 0) else f"private pool {pool_id} (CUDA graphs)"] += seg["total_size"]
+        held += seg["total_size"]
+        for b in seg["blocks"]:
+            if b["state"] != "active_allocated":
+                continue
+            frames = [f for f in b.get("frames", []) if "/torch/" not in f["filename"] and f["filename"] != "??"]
+            f = frames[0] if frames else {"filename": "(before recording, or from C++ alone)", "line": 0, "name": ""}
+            sites[f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"] += b["size"]
+    if dist.get_rank() == 0:
+        used = FREE0 - torch.cuda.mem_get_info()[0]
+        for name, n in pools.most_common():
+            print(f"[residue] {n / 2**20:9.1f} MiB  torch segments, {name}", flush=True)
+        print(f"[residue] {(used - held) / 2**20:9.1f} MiB  outside PyTorch (graph objects, kernels, communicators)", flush=True)
+        for site, n in sites.most_common(top):
+            print(f"[residue] {n / 2**20:9.1f} MiB  live, allocated at {site}", flush=True)
+
+
+if "--snapshot" in flags:
+    torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
+before = last[0]  # the summary counts from here: the trainer warm-up's library state is not vLLM's
 llm = g.build_vllm(cfg, model_path, True, torch.bfloat16)  # sleep mode on, as in training
 mark("LLM() built")
 awake = last[0]
@@ -112,6 +149,8 @@ mark("sleep(level=2)")
 torch.cuda.empty_cache()
 mark("+ empty_cache")
 asleep = last[0]
+if "--snapshot" in flags:
+    residue()
 print(f"[mem] process asleep: {process_mib()}", flush=True)
 llm.wake_up(tags=["weights"])
 llm.wake_up(tags=["kv_cache"])
@@ -123,7 +162,8 @@ del llm
 gc.collect()
 torch.cuda.empty_cache()
 mark("LLM deleted")
+awake, asleep = awake - before, asleep - before
 print(f"[mem] summary: LLM() {awake:.2f} GiB, asleep {asleep:.2f} GiB -> sleep gives back "
-      f"{100 * (1 - asleep / awake):.1f}%{' (after trainer warm-up)' if '--warmup' in flags else ''}; "
-      f"after deleting the engine {last[0]:.2f} GiB stays", flush=True)
+      f"{100 * (1 - asleep / awake):.1f}%{' (counted from after the trainer warm-up)' if '--warmup' in flags else ''}; "
+      f"after deleting the engine {last[0] - before:.2f} GiB stays", flush=True)
 dist.destroy_process_group()
