@@ -13,6 +13,7 @@ import os
 import random
 import re
 import signal
+import shlex
 import socket
 import subprocess
 import sys
@@ -343,6 +344,33 @@ def test_bench_llm_kwargs_adds_arguments_to_the_engine(tmp_path):
     assert got["argv"] == [str(script), "--warmup", "x"]
     assert got["seen"] == {"model": "m", "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": True}
 
+
+def test_bench_vs_trl_mirrors_our_options_and_refuses_the_rest(tmp_path):
+    """bench/vs_trl.py (the Performance table's pairs): TRL's peer gets ours' model, steps, batch, group size, length, lr
+    and gradient checkpointing; an option the peer would not mirror is refused (status 2); the ratio is of median samples/s."""
+    run = lambda *a: subprocess.run([sys.executable, os.path.join(HERE, "bench", "vs_trl.py"), "--dry_run", "--out", str(tmp_path), *a],
+                                    capture_output=True, text=True, timeout=300)
+    ours_args = ["--model", "/m", "--max_steps", "3", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
+                 "--num_generations", "4", "--max_completion_length", "64", "--learning_rate", "2e-5", "--gradient_checkpointing", "true"]
+    out = run("--nproc", "2", "--", *ours_args, "--eval_steps", "0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    ours, trl = [shlex.split(line.split(":", 1)[1]) for line in out.stdout.splitlines()[-2:]]
+    assert ours[ours.index("--nproc_per_node") + 1] == "2" and ours[-2:] == ["--output_dir", str(tmp_path / "ours-0")]
+    assert ours[ours.index(os.path.join(HERE, "grpo_colocate.py")) + 1:-2] == ours_args + ["--eval_steps", "0"]
+    env = dict(t.split("=", 1) for t in trl if "=" in t and not t.startswith("-"))
+    assert env == {"MODEL": "/m", "STEPS": "3", "BS": "8", "GAS": "2", "G": "4", "MAXTOK": "64", "LR": "2e-05", "GC": "1",
+                   "OUT_DIR": str(tmp_path / "trl-0")} and trl[-1] == os.path.join(HERE, "bench", "trl_peer.py")
+    out = run("--trl_steps", "15")  # the defaults: SmolLM2 (the peer's own default model), TRL 15 steps
+    env = dict(t.split("=", 1) for t in shlex.split(out.stdout.splitlines()[-1].split(":", 1)[1]) if "=" in t and not t.startswith("-"))
+    assert "MODEL" not in env and (env["STEPS"], env["BS"], env["GAS"], env["G"], env["MAXTOK"]) == ("15", "32", "1", "8", "128")
+    out = run("--", "--max_steps", "3", "--beta", "0.1")
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: bench/trl_peer.py does not mirror --beta:")
+    sys.path.insert(0, os.path.join(HERE, "bench"))
+    from vs_trl import summary
+    ours_split = lambda sps: {"step_s": 64 / sps, "gen_s": 1.0, "coloc_s": 0.1, "train_s": 0.5, "samples_per_sec": sps, "coloc_share": 0.05}
+    s = summary([ours_split(32.0), ours_split(45.0)], [{"median_step_s": 4.0, "samples_per_s": 16.0}, {"median_step_s": 3.2, "samples_per_s": 20.0}])
+    assert [r["ours_over_trl"] for r in s["rounds"]] == pytest.approx([2.0, 2.25]) and s["ours_over_trl_range"] == pytest.approx([2.0, 2.25])
+    assert (s["ours_samples_per_s"], s["trl_samples_per_s"], s["ours_over_trl"]) == pytest.approx((38.5, 18.0, 38.5 / 18.0))
 
 def test_phase_timer():
     timer = g.PhaseTimer()

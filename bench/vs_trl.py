@@ -1,0 +1,116 @@
+"""Ours vs TRL colocate on the same GPUs, one after the other and in turn (ours, TRL, ours, TRL, ...): a row of the
+README's "Performance: ours vs TRL" table as one command. Each round runs grpo_colocate.py with the options given, then
+bench/trl_peer.py with the same model, steps, batch, group size, completion length, learning rate and gradient
+checkpointing (the peer fixes the rest to the script's defaults). Ours: the median over steps 1..N-1 (bench/step_split.py);
+TRL: the median over its 3rd to last step. The ratio is of samples/s.
+
+    python bench/vs_trl.py --rounds 2 -- --model /tmp/random-1.5b --max_steps 8 --per_device_train_batch_size 32 \\
+        --gradient_accumulation_steps 2 --max_completion_length 256 --eval_steps 0
+    python bench/vs_trl.py --rounds 2 --trl_steps 15            # the defaults (SmolLM2; ours 200 steps, TRL 15)
+    python bench/vs_trl.py --dry_run -- --max_steps 8           # print the two commands, run nothing
+
+--nproc: ranks per side (default: every visible GPU). An option of ours that the peer does not mirror is refused
+(status 2): the two would not run the same thing; --eval_steps and --num_eval_prompts only change ours' eval, which
+its steps' median leaves out. Logs and ours' runs go under --out. TRL needs `pip install trl==1.16.0 datasets`.
+Prints one line per run and `VSTRL {json}`: each round's figures, the medians over rounds and ours / TRL.
+"""
+import argparse, json, os, shlex, statistics, subprocess, sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from step_split import split  # noqa: E402
+
+def fail(message: str, status: int = 2):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(status)
+
+
+# grpo_colocate option -> the environment variable bench/trl_peer.py reads for it
+MIRRORED = {"model": "MODEL", "max_steps": "STEPS", "per_device_train_batch_size": "BS", "gradient_accumulation_steps": "GAS",
+            "num_generations": "G", "max_completion_length": "MAXTOK", "learning_rate": "LR", "gradient_checkpointing": "GC"}
+OURS_ONLY = {"eval_steps", "num_eval_prompts"}  # ours' eval: not in the median of its steps
+
+
+def commands(ours_args: list[str], nproc: int, trl_steps: int | None, out: str, round_: int) -> tuple[list[str], list[str], dict]:
+    """Ours' command, TRL's command and the environment that makes the peer mirror ours' options."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    import grpo_colocate as g
+    given = {a[2:].split("=")[0] for a in ours_args if a.startswith("--")}
+    refused = sorted(given - set(MIRRORED) - OURS_ONLY)
+    if refused:
+        fail(f"bench/trl_peer.py does not mirror --{', --'.join(refused)}: only --{', --'.join(MIRRORED)} "
+             "(and ours' --eval_steps, --num_eval_prompts)")
+    cfg = g.parse_config(ours_args)
+    env = {"STEPS": str(trl_steps or cfg.max_steps), "BS": str(cfg.per_device_train_batch_size),
+           "GAS": str(cfg.gradient_accumulation_steps), "G": str(cfg.num_generations), "MAXTOK": str(cfg.max_completion_length),
+           "LR": repr(cfg.learning_rate), "GC": "1" if cfg.gradient_checkpointing else "0", "OUT_DIR": os.path.join(out, f"trl-{round_}")}
+    if cfg.model != "smollm2":
+        env["MODEL"] = cfg.model
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    ours = run + [os.path.join(os.path.dirname(HERE), "grpo_colocate.py"), *ours_args, "--output_dir", os.path.join(out, f"ours-{round_}")]
+    return ours, run + [os.path.join(HERE, "trl_peer.py")], env
+
+
+def summary(ours: list[dict], trl: list[dict]) -> dict:
+    """Per round and over rounds: ours' split (step_split.split) against TRL's TRLPEER figures."""
+    med = lambda xs: statistics.median(xs)
+    rounds = [{"ours_step_s": o["step_s"], "ours_gen_coloc_train_s": [o["gen_s"], o["coloc_s"], o["train_s"]],
+               "ours_samples_per_s": o["samples_per_sec"], "ours_coloc_share": o["coloc_share"],
+               "trl_step_s": t["median_step_s"], "trl_samples_per_s": t["samples_per_s"],
+               "ours_over_trl": o["samples_per_sec"] / t["samples_per_s"]} for o, t in zip(ours, trl)]
+    o_med, t_med = med([r["ours_samples_per_s"] for r in rounds]), med([r["trl_samples_per_s"] for r in rounds])
+    return {"rounds": rounds, "ours_samples_per_s": o_med, "trl_samples_per_s": t_med, "ours_over_trl": o_med / t_med,
+            "ours_over_trl_range": [min(r["ours_over_trl"] for r in rounds), max(r["ours_over_trl"] for r in rounds)]}
+
+
+def run_logged(cmd: list[str], env: dict, log: str) -> str:
+    """Run to the end with its output in `log`; on failure print the end of the log and stop."""
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT).returncode
+    text = open(log).read()
+    if rc != 0:
+        print(text[-3000:], file=sys.stderr)
+        fail(f"{shlex.join(cmd)} exited with status {rc} (log: {log})", 1)
+    return text
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="python bench/vs_trl.py [options] -- [grpo_colocate options]")
+    p.add_argument("--rounds", type=int, default=2, help="ours then TRL, this many times")
+    p.add_argument("--nproc", type=int, default=0, help="ranks per side (0: every visible GPU)")
+    p.add_argument("--trl_steps", type=int, default=0, help="TRL's steps (0: ours' --max_steps)")
+    p.add_argument("--out", default="/tmp/vs_trl", help="logs and ours' output_dir per round")
+    p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    argv = sys.argv[1:]
+    own, ours_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    args = p.parse_args(own)
+    if not args.nproc:
+        import torch
+        args.nproc = torch.cuda.device_count() or 1
+    os.makedirs(args.out, exist_ok=True)
+    ours_runs, trl_runs = [], []
+    for r in range(args.rounds):
+        ours, trl, env = commands(ours_args, args.nproc, args.trl_steps or None, args.out, r)
+        if args.dry_run:
+            print("ours:", shlex.join(ours))
+            print("TRL: ", " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(trl))
+            return
+        run_logged(ours, {}, os.path.join(args.out, f"ours-{r}.log"))
+        s = split([json.loads(line) for line in open(os.path.join(args.out, f"ours-{r}", "metrics.jsonl")) if line.strip()])
+        ours_runs.append(s)
+        print(f"round {r + 1} ours: {s['step_s']:.3f} s/step ({s['gen_s']:.3f} / {s['coloc_s']:.3f} / {s['train_s']:.3f}), "
+              f"{s['samples_per_sec']:.1f} samples/s, co-location {100 * s['coloc_share']:.1f}%", flush=True)
+        text = run_logged(trl, env, os.path.join(args.out, f"trl-{r}.log"))
+        line = next((ln for ln in text.splitlines() if ln.startswith("TRLPEER ")), None)
+        if line is None:
+            fail(f"no TRLPEER line in {os.path.join(args.out, f'trl-{r}.log')}", 1)
+        trl_runs.append(json.loads(line[len("TRLPEER "):]))
+        print(f"round {r + 1} TRL:  {trl_runs[-1]['median_step_s']:.3f} s/step, {trl_runs[-1]['samples_per_s']:.1f} samples/s", flush=True)
+    s = summary(ours_runs, trl_runs)
+    print("VSTRL", json.dumps(s))
+    print(f"ours {s['ours_samples_per_s']:.1f} vs TRL {s['trl_samples_per_s']:.1f} samples/s (medians over {args.rounds} "
+          f"rounds): ours / TRL {s['ours_over_trl']:.2f}x (rounds {s['ours_over_trl_range'][0]:.2f}-{s['ours_over_trl_range'][1]:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
