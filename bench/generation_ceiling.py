@@ -10,7 +10,9 @@ SamplingParams beside the loop's, in turn within each repeat (so that a drift of
 list of overrides, `{}` the loop's own; `"seeds": false` leaves the seeding to vLLM (with `"detokenize": false`, keep
 `flat_logprobs`: the loop's collect_rollouts reads that format). --profile N: cProfile the last repeat of the first
 variant and print (rank 0) its N functions with the most own time, and the N with the most time including callees:
-time spent waiting for the GPU shows as the own time of the call that synchronizes.
+time spent waiting for the GPU shows as the own time of the call that synchronizes. --sleep_between (GPU, sleep mode):
+sleep(level=1) and wake_up() before every repeat after the first, so that the weights and the KV cache are mapped onto
+new memory each time, as in the loop (level 1 keeps the weights in CPU memory: no push needed).
 
   torchrun --nproc_per_node 1 bench/generation_ceiling.py --repeats 5 --metrics runs/grpo/metrics.jsonl
   torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-1.5b --repeats 3
@@ -52,6 +54,7 @@ def main() -> None:
     own.add_argument("--metrics", default="", help="a training run's metrics.jsonl to compare with")
     own.add_argument("--variants", default="[{}]", help="JSON list of SamplingParams overrides to time in turn ({}: the loop's)")
     own.add_argument("--profile", type=int, default=0, help="cProfile the last repeat of the first variant: print N functions")
+    own.add_argument("--sleep_between", action="store_true", help="sleep(level=1) + wake_up() before each repeat after the first")
     args, rest = own.parse_known_args()
     if {"-h", "--help"} & set(rest):
         print(__doc__ + "\n" + own.format_help())
@@ -70,6 +73,10 @@ def main() -> None:
         g.say(f"error: {e}")
         dist.barrier()
         sys.exit(2)
+    if args.sleep_between and not (on_gpu and cfg.vllm_enable_sleep_mode):
+        g.say("error: --sleep_between needs a GPU and vLLM's sleep mode (--vllm_enable_sleep_mode true)", rank0=True)
+        dist.barrier()
+        sys.exit(2)
     from transformers import AutoTokenizer
     tp_group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None  # all ranks join
     llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, torch.bfloat16 if on_gpu else torch.float32)
@@ -83,6 +90,10 @@ def main() -> None:
              f"{world * per_rank} completions ({world * per_rank // G} prompts x {G}), up to {cfg.max_completion_length} tokens", rank0=True)
     rates, prof = [[] for _ in variants], cProfile.Profile()
     for i in range(args.repeats):
+        if args.sleep_between and i > 0:  # new physical memory for the weights (copied back from CPU) and the KV cache
+            llm.sleep(level=1)
+            llm.wake_up()
+            llm.reset_prefix_cache()
         for j, v in enumerate(map(dict, variants)):
             params, timer, seeded = sampling.clone(), g.PhaseTimer(sync=on_gpu), v.pop("seeds", True)
             for k, x in v.items(): setattr(params, k, x)
