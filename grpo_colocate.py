@@ -299,13 +299,13 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
     """(name, full tensor) per parameter, gathered from ZeRO-3 in buckets of ~bucket_bytes: one all-gather per bucket, not
     per parameter, and never the whole model at once (that OOMs); all ranks together. A bucket is freed once it is loaded."""
     import deepspeed
-    params, bucket = list(model.named_parameters()), []
+    params, bucket, size = list(model.named_parameters()), [], 0
     for i, (name, param) in enumerate(params):
-        bucket.append((name, param))
-        if i == len(params) - 1 or sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in bucket) >= bucket_bytes:
+        bucket.append((name, param)); size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # full size
+        if i == len(params) - 1 or size >= bucket_bytes:
             with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
                 yield from ((n, p.data) for n, p in bucket)
-            bucket = []
+            bucket, size = [], 0
 
 def push_weights_to_vllm(llm, model, sleep_mode: bool, timer: PhaseTimer | None = None, wake_bytes: int = 0) -> None:
     """Make vLLM sample from the weights just trained. Level-2 sleep discarded its weights: wake the weight memory, stream the
