@@ -17,8 +17,9 @@ Prints one line per run and `VSTRL {json}`: each round's figures, the medians ov
 import argparse, json, os, shlex, statistics, subprocess, sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from step_split import split  # noqa: E402
+import grpo_colocate as g  # noqa: E402
 
 def fail(message: str, status: int = 2):
     print(f"error: {message}", file=sys.stderr)
@@ -33,19 +34,15 @@ OURS_ONLY = {"eval_steps", "num_eval_prompts"}  # ours' eval: not in the median 
 
 def commands(ours_args: list[str], nproc: int, trl_steps: int | None, out: str, round_: int) -> tuple[list[str], list[str], dict]:
     """Ours' command, TRL's command and the environment that makes the peer mirror ours' options."""
-    sys.path.insert(0, os.path.dirname(HERE))
-    import grpo_colocate as g
     given = {a[2:].split("=")[0] for a in ours_args if a.startswith("--")}
     refused = sorted(given - set(MIRRORED) - OURS_ONLY)
     if refused:
         fail(f"bench/trl_peer.py does not mirror --{', --'.join(refused)}: only --{', --'.join(MIRRORED)} "
              "(and ours' --eval_steps, --num_eval_prompts)")
     cfg = g.parse_config(ours_args)
-    env = {"STEPS": str(trl_steps or cfg.max_steps), "BS": str(cfg.per_device_train_batch_size),
-           "GAS": str(cfg.gradient_accumulation_steps), "G": str(cfg.num_generations), "MAXTOK": str(cfg.max_completion_length),
-           "LR": repr(cfg.learning_rate), "GC": "1" if cfg.gradient_checkpointing else "0", "OUT_DIR": os.path.join(out, f"trl-{round_}")}
-    if cfg.model != "smollm2":
-        env["MODEL"] = cfg.model
+    text = lambda v: ("1" if v else "0") if isinstance(v, bool) else str(v)
+    env = {var: text(getattr(cfg, opt)) for opt, var in MIRRORED.items() if (opt, cfg.model) != ("model", "smollm2")}  # (the peer's default)
+    env.update(STEPS=str(trl_steps or cfg.max_steps), OUT_DIR=os.path.join(out, f"trl-{round_}"))
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     ours = run + [os.path.join(os.path.dirname(HERE), "grpo_colocate.py"), *ours_args, "--output_dir", os.path.join(out, f"ours-{round_}")]
     return ours, run + [os.path.join(HERE, "trl_peer.py")], env
@@ -53,12 +50,11 @@ def commands(ours_args: list[str], nproc: int, trl_steps: int | None, out: str, 
 
 def summary(ours: list[dict], trl: list[dict]) -> dict:
     """Per round and over rounds: ours' split (step_split.split) against TRL's TRLPEER figures."""
-    med = lambda xs: statistics.median(xs)
     rounds = [{"ours_step_s": o["step_s"], "ours_gen_coloc_train_s": [o["gen_s"], o["coloc_s"], o["train_s"]],
                "ours_samples_per_s": o["samples_per_sec"], "ours_coloc_share": o["coloc_share"],
                "trl_step_s": t["median_step_s"], "trl_samples_per_s": t["samples_per_s"],
                "ours_over_trl": o["samples_per_sec"] / t["samples_per_s"]} for o, t in zip(ours, trl)]
-    o_med, t_med = med([r["ours_samples_per_s"] for r in rounds]), med([r["trl_samples_per_s"] for r in rounds])
+    o_med, t_med = (statistics.median(r[k] for r in rounds) for k in ("ours_samples_per_s", "trl_samples_per_s"))
     return {"rounds": rounds, "ours_samples_per_s": o_med, "trl_samples_per_s": t_med, "ours_over_trl": o_med / t_med,
             "ours_over_trl_range": [min(r["ours_over_trl"] for r in rounds), max(r["ours_over_trl"] for r in rounds)]}
 
