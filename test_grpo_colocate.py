@@ -12,8 +12,8 @@ import math
 import os
 import random
 import re
-import signal
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -371,6 +371,7 @@ def test_bench_vs_trl_mirrors_our_options_and_refuses_the_rest(tmp_path):
     s = summary([ours_split(32.0), ours_split(45.0)], [{"median_step_s": 4.0, "samples_per_s": 16.0}, {"median_step_s": 3.2, "samples_per_s": 20.0}])
     assert [r["ours_over_trl"] for r in s["rounds"]] == pytest.approx([2.0, 2.25]) and s["ours_over_trl_range"] == pytest.approx([2.0, 2.25])
     assert (s["ours_samples_per_s"], s["trl_samples_per_s"], s["ours_over_trl"]) == pytest.approx((38.5, 18.0, 38.5 / 18.0))
+
 
 def test_phase_timer():
     timer = g.PhaseTimer()
