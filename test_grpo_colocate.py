@@ -1061,8 +1061,9 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp1_run, tmp_path
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
-def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tmp_path):
-    proc = launch(E2E + ["--save_steps", "1", "--max_steps", "6", "--eval_steps", "0"], tmp_path)
+def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tiny_tp_model, tmp_path):
+    # the tiny model: fast steps; far more of them than the test lets it reach
+    proc = launch(E2E + ["--model", str(tiny_tp_model), "--save_steps", "1", "--max_steps", "100", "--eval_steps", "0"], tmp_path)
     wait_for(lambda: os.path.isfile(tmp_path / "checkpoint-1" / "trainer_state.json"), proc)
     os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)  # rank 1 dies mid-run (OOM killer, hardware fault...)
     t0 = time.time()
@@ -1149,10 +1150,11 @@ def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_pat
     assert rc != 0 and log.count(f"error: --resume {out / 'checkpoint-2'}: saved with world_size 8, resumed with 2") == 2, log[-3000:]
 
 
-def test_e2e_two_nodes_on_one_machine(tmp_path):
-    """Two torchrun agents (--nnodes 2, 2 ranks each, c10d rendezvous), each with its own cache for the default model, as
-    two machines would have: each node's local rank 0 builds it. They train, save, and resume from the checkpoint. A TP
-    group that would span the nodes is refused before anything heavy starts, with one line on every rank."""
+def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
+    """Two torchrun agents (--nnodes 2, 2 ranks each, c10d rendezvous) train, save, and resume from the checkpoint. A TP
+    group that would span the nodes is refused before anything heavy starts, with one line on every rank. Each node has
+    its own cache for the default model, as two machines would: each node's local rank 0 builds it, before the checks
+    that read it (SmolLM2's 9 heads do not split over TP 2: refused on all four ranks, after both builds)."""
     port, out = free_port(), tmp_path / "out"
 
     def two_nodes(args, timeout=900):
@@ -1165,11 +1167,9 @@ def test_e2e_two_nodes_on_one_machine(tmp_path):
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE, env=env))
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
         return [p.returncode for p in procs], "\n".join(logs)
-    args = WIDE + ["--reward_funcs", "correctness", "format", "--reward_weights", "1", "0.5", "--save_steps", "1"]
+    args = WIDE + ["--model", str(tiny8_model), "--save_steps", "1"]
     rcs, log = two_nodes(args + ["--max_steps", "1"])
-    assert rcs == [0, 0], log[-4000:]
-    assert "| 4 ranks, vLLM TP 1 |" in log and all(os.path.isfile(tmp_path / f"cache-node{n}" / "SmolLM2-135M-Instruct" / "config.json")
-                                                   for n in (0, 1))  # built on each node
+    assert rcs == [0, 0] and "| 4 ranks, vLLM TP 1 |" in log, log[-4000:]
     metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [m["step"] for m in metrics] == [0] and metrics[0]["sampling/logp_diff_mean"] < 1e-3
     rcs, log = two_nodes(args + ["--max_steps", "2", "--resume", "latest"])
@@ -1178,3 +1178,7 @@ def test_e2e_two_nodes_on_one_machine(tmp_path):
     rcs, log = two_nodes(args + ["--max_steps", "1", "--vllm_tensor_parallel_size", "4"], timeout=300)
     assert rcs[0] != 0 and log.count("error: --vllm_tensor_parallel_size 4 must divide the ranks per node (2): a TP group must "
                                      "not span nodes") == 4, log[-3000:]
+    rcs, log = two_nodes(WIDE + ["--max_steps", "1", "--vllm_tensor_parallel_size", "2"], timeout=600)  # the default model
+    assert rcs[0] != 0 and log.count("error: --vllm_tensor_parallel_size 2 cannot split the model's 9 attention / 3 KV "
+                                     "heads") == 4, log[-3000:]
+    assert all(os.path.isfile(tmp_path / f"cache-node{n}" / "SmolLM2-135M-Instruct" / "config.json") for n in (0, 1))  # built on each node
