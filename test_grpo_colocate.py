@@ -925,18 +925,18 @@ g.main()
 """
 
 
-def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp1_run, tmp_path):
-    """Negative controls in one run, from the folder the first run saved (so vLLM and DeepSpeed load it): step 1 skips
-    the push, step 2 pushes and then calls reload_weights without weights (the bug TRL's colocate mode shipped: it
-    reloads the checkpoint from disk); the sync check must flag both. Step 3: a NaN loss on one rank stops both
-    ranks with the step number before the update; the checkpoint saved after step 2 stays intact and loadable.
+def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run, tmp_path):
+    """Negative controls in one run (TP=1, the tiny llama), from the folder the TP=2 run saved (so vLLM and DeepSpeed
+    load it): step 1 skips the push, step 2 pushes and then calls reload_weights without weights (the bug TRL's colocate
+    mode shipped: it reloads the checkpoint from disk); the sync check must flag both (0.12-0.14 against < 1e-5). Step 3:
+    a NaN loss on one rank stops both ranks with the step number before the update; the checkpoint saved after step 2
+    stays intact and loadable.
     Also on this path: an empty eval set with eval_steps > 0."""
     launcher = tmp_path / "launch_faults.py"
     launcher.write_text(LAUNCHER.format(here=HERE))
     out = tmp_path / "out"
-    rc, log, metrics = torchrun(E2E + ["--max_steps", "5", "--model", str(tp1_run[3] / "final"), "--save_steps", "3",
-                                       "--num_eval_prompts", "0"],
-                                out, script=str(launcher))
+    rc, log, metrics = torchrun(E2E + ["--max_steps", "5", "--model", str(tp2_run[3] / "final"), "--save_steps", "3",
+                                       "--num_eval_prompts", "0", *TINY], out, script=str(launcher))
     assert rc != 0 and "exitcode  : 3" in log, log[-3000:]  # torchrun exits 1 and names our exit code
     assert log.count(f"error: step 3: non-finite loss on 1 rank(s); stopped before the update, nothing saved "
                      f"(last good save: {out / 'checkpoint-3'})") == 2, log[-3000:]
@@ -961,16 +961,27 @@ def tiny_tp_model(tmp_path_factory):
     return out
 
 
-def test_e2e_tensor_parallel_2_with_reference_and_two_iterations(tiny_tp_model, tmp_path):
-    """TP=2 (one engine, both ranks feed it the same prompts and keep their own slice), plus the loop's other paths: a
-    frozen ZeRO-3 reference with beta > 0, two optimizer passes per batch (old log-probs frozen before the first),
-    per-sequence normalisation, an asymmetric clip range, unscaled advantages. A misaligned TP slice would pair completions with the wrong
-    prompts, and dropout left on would perturb the trainer's log-probs: either breaks the exact sync check."""
-    rc, log, metrics = torchrun(E2E + ["--model", str(tiny_tp_model), "--vllm_tensor_parallel_size", "2", "--reward_funcs", "brevity",
-                                       "--reward_weights", "1", "--learning_rate", "1e-3", "--beta", "0.1", "--num_iterations", "2",
-                                       "--loss_type", "grpo", "--epsilon_high", "0.28", "--scale_rewards", "none"], tmp_path)
+# the tiny llama learns from a reward with spread (a correctness reward is 0 for a random model: no gradient, no check)
+TINY = ["--reward_funcs", "brevity", "--reward_weights", "1", "--learning_rate", "1e-3"]
+# TP=2 and the loop's other paths: a frozen ZeRO-3 reference (beta > 0), two optimizer passes per batch (old log-probs
+# frozen before the first), per-sequence normalisation, an asymmetric clip range, unscaled advantages
+TP2 = E2E + TINY + ["--max_steps", "5", "--vllm_tensor_parallel_size", "2", "--beta", "0.1", "--num_iterations", "2",
+                    "--loss_type", "grpo", "--epsilon_high", "0.28", "--scale_rewards", "none"]
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tiny_tp_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp2")
+    return (*torchrun(TP2 + ["--model", str(tiny_tp_model)], out), out)
+
+
+def test_e2e_tensor_parallel_2_with_reference_and_two_iterations(tp2_run, tiny_tp_model):
+    """TP=2 (one engine, both ranks feed it the same prompts and keep their own slice) with the paths of TP2 above. A
+    misaligned TP slice would pair completions with the wrong prompts, and dropout left on would perturb the trainer's
+    log-probs: either breaks the exact sync check."""
+    rc, log, metrics, out = tp2_run
     assert rc == 0, log[-4000:]
-    assert_trained_and_in_sync(metrics, tiny_tp_model, tmp_path / "final")
+    assert_trained_and_in_sync(metrics, tiny_tp_model, out / "final", steps=5)
     assert all(m["kl"] > 0 and math.isfinite(m["loss"]) for m in metrics if "loss" in m)  # the 2nd pass moves off the reference
 
 
@@ -1031,11 +1042,12 @@ def steps_logged(out_dir):
     return [json.loads(line)["step"] for line in open(path) if "loss" in line] if os.path.exists(path) else []
 
 
-def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp1_run, tmp_path):
-    """The same run as tp1_run, but both ranks get SIGTERM during step 1 (a preemption), then --resume latest: the
-    resumed steps draw the same prompts and sample and train exactly as the uninterrupted run did."""
-    full, out = tp1_run[2], tmp_path / "cut"
-    proc = launch(E2E, out)
+def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp2_run, tiny_tp_model, tmp_path):
+    """The same run as tp2_run (TP=2, a reference model, two passes), but both ranks get SIGTERM during step 1 (a
+    preemption), then --resume latest: the resumed steps draw the same prompts and sample and train exactly as the
+    uninterrupted run did."""
+    args, full, out = TP2 + ["--model", str(tiny_tp_model)], tp2_run[2], tmp_path / "cut"
+    proc = launch(args, out)
     wait_for(lambda: 0 in steps_logged(out), proc)  # step 0 done: step 1 is under way
     for pid in rank_pids(proc.pid).values():
         os.kill(pid, signal.SIGTERM)
@@ -1044,13 +1056,13 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp1_run, tmp_path
     assert log.count("got SIGTERM: will save a checkpoint and stop after this step") == 2
     # normally during step 1; if the signal beat step 0's last collective by a few ms, after step 0
     last = int(re.search(r"stopped by signal after step (\d); resume with --resume", log).group(1))
-    assert steps_logged(out) == list(range(last + 1))
+    assert steps_logged(out) == list(range(last + 1)) and last < 4  # steps are left to resume
     assert os.path.isfile(out / f"checkpoint-{last + 1}" / "trainer_state.json")
 
-    rc, log, resumed = torchrun(E2E + ["--resume", "latest"], out)
+    rc, log, resumed = torchrun(args + ["--resume", "latest"], out)
     assert rc == 0, log[-3000:]
     assert f"resumed from {out / f'checkpoint-{last + 1}'}: continuing at step {last + 1}" in log
-    assert [m["step"] for m in resumed] == [m["step"] for m in full] == [0, 1, 2, 3]  # the first run's lines, then the rest
+    assert [m["step"] for m in resumed] == [m["step"] for m in full] == list(range(6))  # the first run's lines, then the rest
     for a, b in zip(full, resumed):
         assert a.get("prompts/hash") == b.get("prompts/hash"), a["step"]  # the same data position
         # the same weights and optimizer state, the same sampling seeds: the same samples and the same update
@@ -1059,6 +1071,7 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp1_run, tmp_path
         if "loss" in a:
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+            assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-8)  # the reference: the base model again
 
 
 def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tiny_tp_model, tmp_path):
