@@ -865,14 +865,9 @@ def assert_trained_and_in_sync(metrics, base_model, final_dir, steps=3):
     assert len(changed) > len(after) // 2, f"only {len(changed)} of {len(after)} tensors changed"
 
 
-@pytest.fixture(scope="module")
-def tp1_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp1")
-    return (*torchrun(E2E, out), out)
-
-
-def test_e2e_data_parallel_smollm2(tp1_run):
-    rc, log, metrics, out = tp1_run
+def test_e2e_data_parallel_smollm2(tmp_path):
+    out = tmp_path
+    rc, log, metrics = torchrun(E2E, out)
     assert rc == 0, log[-4000:]
     assert_trained_and_in_sync(metrics, smollm2_path(), out / "final")
     for m in (m for m in metrics if "loss" in m):  # every phase of the step is timed and they add up
