@@ -759,10 +759,8 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
     lengths = torch.tensor([len(c) for c in r.completions], device=device)  # [B]
     keep = torch.tensor([not (cfg.mask_truncated_completions and t) for t in r.truncated], device=device).float()
     advantages = advantages.to(device)
-    vllm_logps = []  # [b, T] per micro-batch
-    for s in micro_batches:
-        rows = [torch.tensor(logps) for logps in r.vllm_logps[s]]
-        vllm_logps.append(torch.nn.utils.rnn.pad_sequence(rows, batch_first=True).to(device))
+    pad = torch.nn.utils.rnn.pad_sequence
+    vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
     # DeepSpeed averages gradients over ranks and we sum them over micro-batches (scale_wrt_gas=False), so dapo divides
     # by the step's tokens of all ranks / world, grpo and dr_grpo by this rank's sequences: the gradient of the whole
     # global batch's loss.
@@ -771,14 +769,9 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
         return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id)
 
-    old_logps = [None] * len(micro_batches)
-    ref_logps = [None] * len(micro_batches)
-    with torch.no_grad():
-        for k, s in enumerate(micro_batches):
-            if cfg.num_iterations > 1:  # the policy that sampled, frozen before the first update
-                old_logps[k] = logprobs(engine, s)[0]
-            if ref is not None:  # the frozen reference: the same on every pass, so once
-                ref_logps[k] = logprobs(ref, s)[0]
+    with torch.no_grad():  # [b, T] each: the policy that sampled, frozen before the first update; the reference, once
+        old_logps = [logprobs(engine, s)[0] if cfg.num_iterations > 1 else None for s in micro_batches]
+        ref_logps = [logprobs(ref, s)[0] if ref is not None else None for s in micro_batches]
     for iteration in range(cfg.num_iterations):
         for k, s in enumerate(micro_batches):
             logp, entropy = logprobs(engine, s)  # with the autograd graph
@@ -1484,9 +1477,8 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, NonFiniteError) as e:  # agreed by every rank: one line each, no traceback
         say(f"error: {e}")
         dist.barrier()  # every rank reports before torchrun, seeing the first exit, stops the others
-        os._exit(
-            2 if isinstance(e, ConfigError) else 3
-        )  # not sys.exit: teardown beside live gloo/NCCL threads can abort
+        # os._exit, not sys.exit: a teardown beside live gloo/NCCL threads can abort
+        os._exit(2 if isinstance(e, ConfigError) else 3)
     except (dist.DistError, RuntimeError) as e:
         if not isinstance(e, dist.DistError) and not LOST_RANK_RE.search(str(e)):
             raise  # a bug, not a lost rank: keep the traceback

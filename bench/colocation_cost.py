@@ -7,8 +7,8 @@ five ways of doing the turn:
                                (and, by vLLM's sleep, after it); vLLM's layer-wise reload_weights loads them
   buckets, empty_cache         the gather in buckets of grpo_colocate.PUSH_BUCKET_BYTES
   buckets, make_room           the trainer keeps its cached blocks at wake when vLLM fits beside them
-  load_weights, vLLM's sleep   the same, loaded by the model's own load_weights (copied in place, no layer-wise rebuild
-                               and re-processing)
+  load_weights, vLLM's sleep   the same, loaded by the model's own load_weights (copied in place, no layer-wise
+                               rebuild and re-processing)
   the script                   what grpo_colocate.py does on GPU: the same, asleep by grpo_colocate.sleep_vllm (vLLM's
                                sleep without its closing torch.cuda.empty_cache(): the trainer keeps its cached blocks)
 
@@ -21,10 +21,16 @@ vLLM with the share --vllm_gpu_memory_utilization of the GPU instead (vLLM's def
 
 Prints one `COLOC {name}` line per way: median milliseconds per phase over REPEATS (3) cycles after a warm-up one,
 the GPU memory free when the weights wake, and the weight-sync check of the loop: the mean |trainer - vLLM| log-prob
-of the short generation's tokens after each push (bf16 kernel rounding, ~0.02 at 1.5B, if the engine holds the trained
-weights). GPU only (sleep mode is CUDA-only).
+of the short generation's tokens after each push (bf16 kernel rounding, ~0.02 at 1.5B, if the engine holds the
+trained weights). Without --model: the offline copy of the default model (offline_model.py). GPU only (sleep mode is
+CUDA-only).
 """
-import os, statistics, sys, time
+
+import functools
+import os
+import statistics
+import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -32,8 +38,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo_colocate as g  # noqa: E402
-from train_phase import fake_rollouts  # noqa: E402
+from train_phase import default_model_path, fake_rollouts  # noqa: E402 (this script's folder, put on sys.path above)
+
+import grpo_colocate as g  # noqa: E402 (from the folder above, put on sys.path just above)
 
 
 def main():
@@ -41,15 +48,21 @@ def main():
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
+    model_path = default_model_path(cfg, local)
     dist.init_process_group("nccl")
     import deepspeed
     from transformers import AutoTokenizer
+
     deepspeed.init_distributed(dist_backend="nccl")
     if os.environ.get("KV") == "util":  # vLLM sizes its KV cache from gpu_memory_utilization
         import vllm
+
         LLM = vllm.LLM
-        vllm.LLM = lambda *a, kv_cache_memory_bytes=None, **k: LLM(*a, **k)
-    model_path = g.default_model(build=local == 0) if cfg.model == "smollm2" else cfg.model
+
+        def llm_sized_by_utilization(*args, kv_cache_memory_bytes=None, **kwargs):
+            return LLM(*args, **kwargs)
+
+        vllm.LLM = llm_sized_by_utilization
     dist.barrier()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     free0 = torch.cuda.mem_get_info()[0]
@@ -58,22 +71,27 @@ def main():
     llm.sleep(level=2)
     torch.cuda.empty_cache()
     wake_bytes = awake - (free0 - torch.cuda.mem_get_info()[0])
-    g.say(f"COLOC vLLM awake {awake / 2**30:.2f} GiB, wake maps {wake_bytes / 2**30:.2f} GiB "
-          f"(KV {'util ' + str(cfg.vllm_gpu_memory_utilization) if os.environ.get('KV') == 'util' else 'sized to the batch'})", rank0=True)
+    kv = f"util {cfg.vllm_gpu_memory_utilization}" if os.environ.get("KV") == "util" else "sized to the batch"
+    g.say(f"COLOC vLLM awake {awake / 2**30:.2f} GiB, wake maps {wake_bytes / 2**30:.2f} GiB (KV {kv})", rank0=True)
     engine = g.build_trainer(cfg, model_path, g.fill_ds_config(cfg, dist.get_world_size(), True), torch.bfloat16)
     r, adv = fake_rollouts(cfg, tokenizer, dist.get_rank(), cfg.max_completion_length)
-    pad, world = tokenizer.pad_token_id or 0, dist.get_world_size()
+    pad = tokenizer.pad_token_id or 0
     prompt = [g.chat_prompt_ids(tokenizer, "What is 2 + 3?")]
     short = g.sampling_params(cfg.num_generations, 1.0, 16)
     B = g.PUSH_BUCKET_BYTES  # (bucket bytes, make_room at wake, reload_weights, sleep_vllm)
-    ways = {"per-parameter, empty_cache": (0, False, True, False), "buckets, empty_cache": (B, False, True, False),
-            "buckets, make_room": (B, True, True, False), "load_weights, vLLM's sleep": (B, True, False, False),
-            "the script": (B, True, False, True)}
+    ways = {
+        "per-parameter, empty_cache": (0, False, True, False),
+        "buckets, empty_cache": (B, False, True, False),
+        "buckets, make_room": (B, True, True, False),
+        "load_weights, vLLM's sleep": (B, True, False, False),
+        "the script": (B, True, False, True),
+    }
     apply = llm.apply_model
 
     def via_reload(fn):  # the push's model.load_weights -> vLLM's reload_weights of the same gathered tensors
-        return llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=g.gathered_params(engine.module),
-                                                                is_checkpoint_format=True))
+        weights = g.gathered_params(engine.module)
+        return llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+
     gather = g.gathered_params
     repeats = int(os.environ.get("REPEATS", "3"))
 
@@ -84,26 +102,42 @@ def main():
         torch.cuda.synchronize()
         t[name].append(1000 * (time.perf_counter() - t0))
 
+    def train():
+        g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, g.Stats())
+
+    def gather_all(bucket_bytes: int) -> int:
+        return sum(1 for _ in gather(engine.module, bucket_bytes=bucket_bytes))
+
     for name, (bucket, room, reload, keep) in ways.items():
         t, llm.apply_model = defaultdict(list), via_reload if reload else apply
         for i in range(repeats + 1):
-            timed(t, "train", lambda: g.train_on_rollouts(engine, None, r, adv, cfg, dev, pad, world))
+            timed(t, "train", train)
             t["free_at_wake_gib"].append(torch.cuda.mem_get_info()[0] / 2**30)
-            g.gathered_params = lambda m, b=bucket: gather(m, bucket_bytes=b)  # what push_weights_to_vllm streams
+            g.gathered_params = functools.partial(gather, bucket_bytes=bucket)  # what push_weights_to_vllm streams
             timer = g.PhaseTimer(sync=True)
-            timed(t, "wake+push+wake", lambda: g.push_weights_to_vllm(llm, engine.module, True, timer, wake_bytes if room else 0))
-            for k, v in timer.t.items(): t[k].append(1000 * v)
-            ro = g.collect_rollouts([{"answer": ""}], prompt, llm.generate([{"prompt_token_ids": prompt[0]}], short, use_tqdm=False), tokenizer)
+            push = functools.partial(
+                g.push_weights_to_vllm, llm, engine.module, True, timer, wake_bytes if room else 0
+            )
+            timed(t, "wake+push+wake", push)
+            for k, v in timer.t.items():
+                t[k].append(1000 * v)
+            outputs = llm.generate([{"prompt_token_ids": prompt[0]}], short, use_tqdm=False)
+            ro = g.collect_rollouts([{"answer": ""}], prompt, outputs, tokenizer)
             with torch.no_grad():
                 lp = g.sequence_logprobs(engine, ro.prompts, ro.completions, 1.0, dev, pad)[0]
-            t["logp_diff"].append(statistics.mean(abs(a - b) for i, v in enumerate(ro.vllm_logps) for a, b in zip(lp[i].tolist(), v)))
-            timed(t, "sleep", lambda: g.sleep_vllm(llm) if keep else llm.sleep(level=2))
-            timed(t, "gather alone", lambda: sum(1 for _ in gather(engine.module, bucket_bytes=bucket)))
-            if i == 0: t.clear()  # the warm-up cycle
+            # lp's rows are padded to the longest completion: zip stops at each completion's own length
+            diffs = [abs(a - b) for i, v in enumerate(ro.vllm_logps) for a, b in zip(lp[i].tolist(), v, strict=False)]
+            t["logp_diff"].append(statistics.mean(diffs))
+            sleep = functools.partial(g.sleep_vllm, llm) if keep else functools.partial(llm.sleep, level=2)
+            timed(t, "sleep", sleep)
+            timed(t, "gather alone", functools.partial(gather_all, bucket))
+            if i == 0:  # the warm-up cycle
+                t.clear()
         g.gathered_params, llm.apply_model = gather, apply
         med = {k: statistics.median(v) for k, v in t.items()}
-        g.say(f"COLOC {name:28s} " + "  ".join(f"{k} {v:.1f}" if k != "logp_diff" else f"{k} {v:.4f}" for k, v in med.items()) +
-              f"  | co-location (wake+push+sleep) {med['wake+push+wake'] + med['sleep']:.0f} ms", rank0=True)
+        phases = "  ".join(f"{k} {v:.1f}" if k != "logp_diff" else f"{k} {v:.4f}" for k, v in med.items())
+        coloc = med["wake+push+wake"] + med["sleep"]
+        g.say(f"COLOC {name:28s} {phases}  | co-location (wake+push+sleep) {coloc:.0f} ms", rank0=True)
     dist.barrier()
 
 

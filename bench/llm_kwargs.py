@@ -7,7 +7,11 @@ merged into the one passed, e.g. compilation_config; the examples give vLLM's de
     LLM_KWARGS='{"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}' \\
         torchrun --nproc_per_node 1 bench/llm_kwargs.py grpo_colocate.py --max_steps 40 --eval_steps 0
 """
-import json, os, runpy, sys
+
+import json
+import os
+import runpy
+import sys
 
 import vllm
 
@@ -16,6 +20,7 @@ EXTRA = json.loads(os.environ.get("LLM_KWARGS", "{}"))
 
 class LLM(vllm.LLM):
     """vllm.LLM with EXTRA added: build_vllm imports LLM from vllm when it is called, so it gets this class."""
+
     def __init__(self, *args, **kwargs):
         for name, value in EXTRA.items():
             both_dicts = isinstance(value, dict) and isinstance(kwargs.get(name), dict)

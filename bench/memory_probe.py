@@ -14,10 +14,12 @@ options), then prints device-wide GPU memory in use, relative to the start, afte
 
     torchrun --nproc_per_node 1 bench/memory_probe.py [--warmup] [--eager_nccl] [--snapshot] [grpo_colocate options]
     torchrun --nproc_per_node 2 bench/memory_probe.py --model /tmp/random-1.5b --vllm_tensor_parallel_size 2
-    LLM_KWARGS='{"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}' torchrun --nproc_per_node 1 \
-        bench/llm_kwargs.py bench/memory_probe.py --warmup                # other LLM() arguments (bench/llm_kwargs.py)
+    # other LLM() arguments (bench/llm_kwargs.py):
+    LLM_KWARGS='{"compilation_config": {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}}' \\
+        torchrun --nproc_per_node 1 bench/llm_kwargs.py bench/memory_probe.py --warmup
 
---model defaults to grpo_colocate's (SmolLM2-135M-Instruct, built once into ~/.cache/grpo_colocate).
+Without --model: the offline copy of grpo_colocate's default model (SmolLM2-135M-Instruct, built once into
+~/.cache/grpo_colocate by offline_model.py).
 --eager_nccl binds the process group to the GPU (init_process_group(device_id=...)): torch then creates the
 NCCL communicator of every new group at once, vLLM's included, and that memory (2.3 GiB on an H200) stays
 through sleep. grpo_colocate.main leaves device_id unset, so communicators are made on first use.
@@ -26,6 +28,7 @@ pool (vLLM's CUDA-graph pool is one), the live blocks grouped by the line outsid
 device memory PyTorch does not hold (CUDA graph objects, loaded kernels, communicators).
 GPU only.
 """
+
 import collections
 import gc
 import os
@@ -37,17 +40,20 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo_colocate as g  # noqa: E402
+import grpo_colocate as g  # noqa: E402 (from the folder above, put on sys.path just above)
+import offline_model  # noqa: E402 (from the folder above, put on sys.path just above)
 
 flags = {a for a in sys.argv[1:] if a in ("--warmup", "--eager_nccl", "--snapshot")}
 cfg = g.parse_config([a for a in sys.argv[1:] if a not in flags])
 local_rank = int(os.environ.get("LOCAL_RANK", 0))
 torch.cuda.set_device(local_rank)
 device = torch.device("cuda", local_rank)
-model_path = g.default_model(build=local_rank == 0) if cfg.model == "smollm2" else cfg.model
-dist.init_process_group("nccl", device_id=device if "--eager_nccl" in flags else None,
-                        timeout=timedelta(seconds=600))
-dist.all_gather_object([None] * dist.get_world_size(), model_path)  # as preflight's first collective (and the model is built)
+model_path = cfg.model
+if cfg.model == g.Config.model:  # built by local rank 0 before the process group; the all_gather below waits for it
+    model_path = offline_model.build() if local_rank == 0 else offline_model.folder()
+dist.init_process_group("nccl", device_id=device if "--eager_nccl" in flags else None, timeout=timedelta(seconds=600))
+# as preflight's first collective (and the model is built)
+dist.all_gather_object([None] * dist.get_world_size(), model_path)
 torch.cuda.synchronize()
 FREE0 = torch.cuda.mem_get_info()[0]
 last = [0.0]
@@ -59,60 +65,59 @@ def mark(label: str) -> None:
     torch.cuda.synchronize()
     used = (FREE0 - torch.cuda.mem_get_info()[0]) / 2**30
     if dist.get_rank() == 0:
-        print(f"[mem] {label:44s} used {used:7.3f} GiB  (+{used - last[0]:7.3f})  torch reserved "
-              f"{torch.cuda.memory_reserved() / 2**30:6.3f}  allocated {torch.cuda.memory_allocated() / 2**30:6.3f}",
-              flush=True)
+        print(
+            f"[mem] {label:44s} used {used:7.3f} GiB  (+{used - last[0]:7.3f})  torch reserved "
+            f"{torch.cuda.memory_reserved() / 2**30:6.3f}  allocated {torch.cuda.memory_allocated() / 2**30:6.3f}",
+            flush=True,
+        )
     last[0] = used
 
 
 def process_mib() -> str:
     """nvidia-smi's per-process figure (includes the CUDA context)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
-        return next((l.split(",")[1].strip() for l in out.splitlines() if l.split(",")[0].strip() == str(os.getpid())), "?")
-    except Exception as e:  # noqa: BLE001
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        mine = (
+            line.split(",")[1].strip() for line in out.splitlines() if line.split(",")[0].strip() == str(os.getpid())
+        )
+        return next(mine, "?")
+    except Exception as e:
         return f"? ({e})"
 
 
-print(f"[env] CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING')} NCCL_NVLS_ENABLE="
-      f"{os.environ.get('NCCL_NVLS_ENABLE')} flags={sorted(flags)} process {process_mib()}", flush=True)
-mark("start")
+def time_stamp_worker_stages() -> None:
+    """A mark after each of vLLM's worker stages (the worker runs in this process: external_launcher)."""
+    from vllm.v1.worker import gpu_worker
 
-if "--warmup" in flags:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    prompt = g.chat_prompt_ids(tok, "What is 12 + 30?")
-    logp, _ = g.sequence_logprobs(model, [prompt] * 8, [[100] * 256] * 8, 1.0, device, 0)
-    logp.mean().backward()
-    opt.step()
-    del model, opt, logp
-    gc.collect()
-    torch.cuda.empty_cache()
-    mark("trainer warm-up (then freed)")
+    def wrap(fn, name):
+        def inner(*a, **k):
+            out = fn(*a, **k)
+            mark(f"  vLLM worker.{name}")
+            return out
 
-# vLLM's worker runs in this process (external_launcher): time-stamp its stages
-from vllm.v1.worker import gpu_worker  # noqa: E402
+        return inner
 
-for name in ("init_device", "load_model", "determine_available_memory", "initialize_from_config",
-             "compile_or_warm_up_model"):
-    if hasattr(gpu_worker.Worker, name):
-        def wrap(fn, name=name):
-            def inner(*a, **k):
-                out = fn(*a, **k)
-                mark(f"  vLLM worker.{name}")
-                return out
-            return inner
-        setattr(gpu_worker.Worker, name, wrap(getattr(gpu_worker.Worker, name)))
-
+    for name in (
+        "init_device",
+        "load_model",
+        "determine_available_memory",
+        "initialize_from_config",
+        "compile_or_warm_up_model",
+    ):
+        if hasattr(gpu_worker.Worker, name):
+            setattr(gpu_worker.Worker, name, wrap(getattr(gpu_worker.Worker, name), name))
 
 
 def residue(top: int = 12) -> None:
     """After sleep: PyTorch's segments by pool (vLLM's sleep pool is unmapped: listed, not in use), the live blocks
     outside it by the first frame outside torch that allocated them, and device memory outside PyTorch."""
     from vllm.device_allocator.cumem import CuMemAllocator
+
     slept = set(CuMemAllocator.get_instance().pointer_to_data)
     pools, sites, held = collections.Counter(), collections.Counter(), 0
     for seg in torch.cuda.memory._snapshot()["segments"]:
@@ -132,11 +137,37 @@ def residue(top: int = 12) -> None:
         used = FREE0 - torch.cuda.mem_get_info()[0]
         for name, n in pools.most_common():
             print(f"[residue] {n / 2**20:9.1f} MiB  torch segments, {name}", flush=True)
-        print(f"[residue] {(used - held) / 2**20:9.1f} MiB  outside PyTorch (graph objects, kernels, communicators)", flush=True)
+        print(
+            f"[residue] {(used - held) / 2**20:9.1f} MiB  outside PyTorch (graph objects, kernels, communicators)",
+            flush=True,
+        )
         for site, n in sites.most_common(top):
             print(f"[residue] {n / 2**20:9.1f} MiB  live, allocated at {site}", flush=True)
 
 
+print(
+    f"[env] CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING')} NCCL_NVLS_ENABLE="
+    f"{os.environ.get('NCCL_NVLS_ENABLE')} flags={sorted(flags)} process {process_mib()}",
+    flush=True,
+)
+mark("start")
+
+if "--warmup" in flags:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    prompt = g.chat_prompt_ids(tok, "What is 12 + 30?")
+    logp, _ = g.sequence_logprobs(model, [prompt] * 8, [[100] * 256] * 8, 1.0, device, 0)
+    logp.mean().backward()
+    opt.step()
+    del model, opt, logp
+    gc.collect()
+    torch.cuda.empty_cache()
+    mark("trainer warm-up (then freed)")
+
+time_stamp_worker_stages()
 if "--snapshot" in flags:
     torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
 before = last[0]  # the summary counts from here: the trainer warm-up's library state is not vLLM's
@@ -163,7 +194,10 @@ gc.collect()
 torch.cuda.empty_cache()
 mark("LLM deleted")
 awake, asleep = awake - before, asleep - before
-print(f"[mem] summary: LLM() {awake:.2f} GiB, asleep {asleep:.2f} GiB -> sleep gives back "
-      f"{100 * (1 - asleep / awake):.1f}%{' (counted from after the trainer warm-up)' if '--warmup' in flags else ''}; "
-      f"after deleting the engine {last[0] - before:.2f} GiB stays", flush=True)
+warmup_note = " (counted from after the trainer warm-up)" if "--warmup" in flags else ""
+print(
+    f"[mem] summary: LLM() {awake:.2f} GiB, asleep {asleep:.2f} GiB -> sleep gives back "
+    f"{100 * (1 - asleep / awake):.1f}%{warmup_note}; after deleting the engine {last[0] - before:.2f} GiB stays",
+    flush=True,
+)
 dist.destroy_process_group()

@@ -1,35 +1,60 @@
-"""A random-weight llama with SmolLM2's tokenizer and chat template, shaped like a 1.5B or 7B model: for
-timing and memory runs (bench/README.md), not learning. Random weights almost never
-sample EOS, so every completion runs to max_completion_length and every step does the same work.
+"""A random-weight llama with SmolLM2's tokenizer and chat template, shaped like a 1.5B or 7B model: for timing and
+memory runs (bench/README.md), not learning. Random weights almost never sample EOS, so every completion runs to
+max_completion_length and every step does the same work.
 
     python bench/random_model.py /tmp/random-1.5b 1.5b     # 1.39B params: 28 layers, hidden 1536, 12 / 2 heads
     python bench/random_model.py /tmp/random-7b 7b         # 6.9B params: 28 layers, hidden 3584, 28 / 4 heads
-    python bench/random_model.py /tmp/tiny8 tiny8          # 13M params: 2 layers, hidden 256, 8 / 8 heads (bench/tp_sweep.py)
+    python bench/random_model.py /tmp/tiny8 tiny8          # 13M params: 2 layers, hidden 256, 8 / 8 heads
+                                                           # (bench/tp_sweep.py)
 """
+
 import os
 import sys
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import grpo_colocate  # noqa: E402  (for the tokenizer of the default model)
+import offline_model  # noqa: E402 (from the folder above, put on sys.path just above; the default model's tokenizer)
 
 SHAPES = {  # Qwen2.5-1.5B / -7B layer shapes; the vocabulary is SmolLM2's
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-               num_key_value_heads=4, tie_word_embeddings=False),
-    "tiny8": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,  # TP 1/2/4/8 on CPU
-                  num_key_value_heads=8, tie_word_embeddings=True),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    "tiny8": dict(  # TP 1/2/4/8 on CPU
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
 }
 
 if __name__ == "__main__":
     out, size = sys.argv[1], sys.argv[2]
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(grpo_colocate.default_model(build=True))
-    cfg = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096, rope_theta=1e5,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **SHAPES[size])
+    tokenizer = AutoTokenizer.from_pretrained(offline_model.build())
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=4096,
+        rope_theta=1e5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **SHAPES[size],
+    )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)

@@ -1,46 +1,78 @@
-"""A run's step time split as the READMEs' tables give it, from its metrics.jsonl: the median over steps 1..N-1 (step 0
-warms up: CUDA graphs, the first wake) of time/step and of its phases -- gen = time/generate + time/exchange, co-loc =
-time/wake + time/push + time/sleep (the price of co-location), train = time/train -- with samples/s, tok/s, the
+"""A run's step time split as the READMEs' tables give it, from its metrics.jsonl: the median over steps 1..N-1 (step
+0 warms up: CUDA graphs, the first wake) of time/step and of its phases -- gen = time/generate + time/exchange, co-loc
+= time/wake + time/push + time/sleep (the price of co-location), train = time/train -- with samples/s, tok/s, the
 co-location share of the step, the generation rate, the weight-sync check and vLLM's memory awake / asleep.
 
     python bench/step_split.py runs/grpo "runs/1 H200"        # run folders (output_dir) or metrics.jsonl files
 
 Prints one `SPLIT {json}` line and one readable line per run.
 """
-import json, os, statistics, sys
+
+import json
+import os
+import statistics
+import sys
 
 
 def split(rows: list[dict]) -> dict:
     """The table's figures for one run's metrics lines (eval-only lines, without time/step, are skipped)."""
     steps = [r for r in rows if "time/step" in r]
     timed = steps[1:] or steps  # a 1-step run has only its warm-up step
-    med = lambda f: statistics.median(f(r) for r in timed)
-    t = lambda r, *keys: sum(r.get(f"time/{k}", 0.0) for k in keys)
+
+    def med(f) -> float:
+        return statistics.median(f(r) for r in timed)
+
+    def t(r: dict, *keys: str) -> float:
+        return sum(r.get(f"time/{k}", 0.0) for k in keys)
+
     step = med(lambda r: r["time/step"])
     coloc = med(lambda r: t(r, "wake", "push", "sleep"))
     evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
-    return {"steps": len(steps), "step_s": step, "gen_s": med(lambda r: t(r, "generate", "exchange")), "coloc_s": coloc,
-            "train_s": med(lambda r: t(r, "train")), "wake_s": med(lambda r: t(r, "wake")), "push_s": med(lambda r: t(r, "push")),
-            "sleep_s": med(lambda r: t(r, "sleep")), "coloc_share": coloc / step,
-            "samples_per_sec": med(lambda r: r["samples_per_sec"]), "tokens_per_sec": med(lambda r: r["tokens_per_sec"]),
-            "generate_tokens_per_sec": med(lambda r: r["generate_tokens_per_sec"]),
-            "logp_diff_mean": statistics.mean(r["sampling/logp_diff_mean"] for r in steps),
-            "logp_diff_max": max(r["sampling/logp_diff_max"] for r in steps),
-            "vllm_awake_gib": steps[0].get("memory/vllm_awake_gib"), "vllm_asleep_gib": steps[0].get("memory/vllm_asleep_gib"),
-            "eval_accuracy": (evals[0], evals[-1], max(evals)) if evals else None}
+    return {
+        "steps": len(steps),
+        "step_s": step,
+        "gen_s": med(lambda r: t(r, "generate", "exchange")),
+        "coloc_s": coloc,
+        "train_s": med(lambda r: t(r, "train")),
+        "wake_s": med(lambda r: t(r, "wake")),
+        "push_s": med(lambda r: t(r, "push")),
+        "sleep_s": med(lambda r: t(r, "sleep")),
+        "coloc_share": coloc / step,
+        "samples_per_sec": med(lambda r: r["samples_per_sec"]),
+        "tokens_per_sec": med(lambda r: r["tokens_per_sec"]),
+        "generate_tokens_per_sec": med(lambda r: r["generate_tokens_per_sec"]),
+        "logp_diff_mean": statistics.mean(r["sampling/logp_diff_mean"] for r in steps),
+        "logp_diff_max": max(r["sampling/logp_diff_max"] for r in steps),
+        "vllm_awake_gib": steps[0].get("memory/vllm_awake_gib"),
+        "vllm_asleep_gib": steps[0].get("memory/vllm_asleep_gib"),
+        "eval_accuracy": (evals[0], evals[-1], max(evals)) if evals else None,
+    }
+
+
+def read_rows(path: str) -> list[dict]:
+    """The json lines of a metrics.jsonl file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def main() -> None:
     for arg in sys.argv[1:] or ["runs/grpo"]:
         path = os.path.join(arg, "metrics.jsonl") if os.path.isdir(arg) else arg
-        s = split([json.loads(line) for line in open(path) if line.strip()])
+        s = split(read_rows(path))
         print("SPLIT", json.dumps({"run": arg, **s}))
-        mem = f", vLLM {s['vllm_awake_gib']:.2f} GiB awake / {s['vllm_asleep_gib']:.2f} asleep" if s["vllm_awake_gib"] else ""
-        ev = "" if not s["eval_accuracy"] else ", eval accuracy {:.3f} -> {:.3f} (max {:.3f})".format(*s["eval_accuracy"])
-        print(f"{arg}: {s['steps']} steps, {s['step_s']:.2f} s/step ({s['gen_s']:.2f} / {s['coloc_s']:.2f} / {s['train_s']:.2f}), "
-              f"{s['samples_per_sec']:.1f} samples/s, {s['tokens_per_sec']:.0f} tok/s; co-location {100 * s['coloc_share']:.1f}% "
-              f"(wake {s['wake_s']:.3f}, push {s['push_s']:.3f}, sleep {s['sleep_s']:.3f} s); generation "
-              f"{s['generate_tokens_per_sec']:.0f} tok/s; logp_diff {s['logp_diff_mean']:.4f} mean, {s['logp_diff_max']:.4f} max{mem}{ev}")
+        mem = ""
+        if s["vllm_awake_gib"]:
+            mem = f", vLLM {s['vllm_awake_gib']:.2f} GiB awake / {s['vllm_asleep_gib']:.2f} asleep"
+        ev = ""
+        if s["eval_accuracy"]:
+            ev = ", eval accuracy {:.3f} -> {:.3f} (max {:.3f})".format(*s["eval_accuracy"])
+        print(
+            f"{arg}: {s['steps']} steps, {s['step_s']:.2f} s/step ({s['gen_s']:.2f} / {s['coloc_s']:.2f} / "
+            f"{s['train_s']:.2f}), {s['samples_per_sec']:.1f} samples/s, {s['tokens_per_sec']:.0f} tok/s; co-location "
+            f"{100 * s['coloc_share']:.1f}% (wake {s['wake_s']:.3f}, push {s['push_s']:.3f}, sleep {s['sleep_s']:.3f} "
+            f"s); generation {s['generate_tokens_per_sec']:.0f} tok/s; logp_diff {s['logp_diff_mean']:.4f} mean, "
+            f"{s['logp_diff_max']:.4f} max{mem}{ev}"
+        )
 
 
 if __name__ == "__main__":

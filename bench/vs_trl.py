@@ -1,8 +1,8 @@
 """Ours vs TRL colocate on the same GPUs, one after the other and in turn (ours, TRL, ours, TRL, ...): a row of the
-README's "Performance: ours vs TRL" table as one command. Each round runs grpo_colocate.py with the options given, then
-bench/trl_peer.py with the same model, steps, batch, group size, completion length, learning rate and gradient
-checkpointing (the peer fixes the rest to the script's defaults). Ours: the median over steps 1..N-1 (bench/step_split.py);
-TRL: the median over its 3rd to last step. The ratio is of samples/s.
+README's "Performance: ours vs TRL" table as one command. Each round runs grpo_colocate.py with the options given,
+then bench/trl_peer.py with the same model, steps, batch, group size, completion length, learning rate and gradient
+checkpointing (the peer fixes the rest to the script's defaults). Ours: the median over steps 1..N-1
+(bench/step_split.py); TRL: the median over its 3rd to last step. The ratio is of samples/s.
 
     python bench/vs_trl.py --rounds 2 -- --model /tmp/random-1.5b --max_steps 8 --per_device_train_batch_size 32 \\
         --gradient_accumulation_steps 2 --max_completion_length 256 --eval_steps 0
@@ -11,15 +11,26 @@ TRL: the median over its 3rd to last step. The ratio is of samples/s.
 
 --nproc: ranks per side (default: every visible GPU). An option of ours that the peer does not mirror is refused
 (status 2): the two would not run the same thing; --eval_steps and --num_eval_prompts only change ours' eval, which
-its steps' median leaves out. Logs and ours' runs go under --out. TRL needs `pip install trl==1.16.0 datasets`.
+its steps' median leaves out. Without --model, both sides run the offline copy of the default model
+(offline_model.py, built first). Logs and ours' runs go under --out. TRL needs `pip install trl==1.16.0 datasets`.
 Prints one line per run and `VSTRL {json}`: each round's figures, the medians over rounds and ours / TRL.
 """
-import argparse, json, os, shlex, statistics, subprocess, sys
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from step_split import split  # noqa: E402
-import grpo_colocate as g  # noqa: E402
+from step_split import read_rows, split  # noqa: E402 (this script's folder, put on sys.path just above)
+
+import grpo_colocate as g  # noqa: E402 (from the folder above, put on sys.path just above)
+import offline_model  # noqa: E402 (from the folder above, put on sys.path just above)
+
 
 def fail(message: str, status: int = 2):
     print(f"error: {message}", file=sys.stderr)
@@ -27,43 +38,83 @@ def fail(message: str, status: int = 2):
 
 
 # grpo_colocate option -> the environment variable bench/trl_peer.py reads for it
-MIRRORED = {"model": "MODEL", "max_steps": "STEPS", "per_device_train_batch_size": "BS", "gradient_accumulation_steps": "GAS",
-            "num_generations": "G", "max_completion_length": "MAXTOK", "learning_rate": "LR", "gradient_checkpointing": "GC"}
+MIRRORED = {
+    "model": "MODEL",
+    "max_steps": "STEPS",
+    "per_device_train_batch_size": "BS",
+    "gradient_accumulation_steps": "GAS",
+    "num_generations": "G",
+    "max_completion_length": "MAXTOK",
+    "learning_rate": "LR",
+    "gradient_checkpointing": "GC",
+}
 OURS_ONLY = {"eval_steps", "num_eval_prompts"}  # ours' eval: not in the median of its steps
 
 
-def commands(ours_args: list[str], nproc: int, trl_steps: int | None, out: str, round_: int) -> tuple[list[str], list[str], dict]:
+def given_options(ours_args: list[str]) -> set[str]:
+    """The names of the options in ours' arguments."""
+    return {a[2:].split("=")[0] for a in ours_args if a.startswith("--")}
+
+
+def env_value(v) -> str:
+    """An option's value as trl_peer.py reads it."""
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    return str(v)
+
+
+def commands(
+    ours_args: list[str], nproc: int, trl_steps: int | None, out: str, round_: int
+) -> tuple[list[str], list[str], dict]:
     """Ours' command, TRL's command and the environment that makes the peer mirror ours' options."""
-    given = {a[2:].split("=")[0] for a in ours_args if a.startswith("--")}
+    given = given_options(ours_args)
     refused = sorted(given - set(MIRRORED) - OURS_ONLY)
     if refused:
-        fail(f"bench/trl_peer.py does not mirror --{', --'.join(refused)}: only --{', --'.join(MIRRORED)} "
-             "(and ours' --eval_steps, --num_eval_prompts)")
+        fail(
+            f"bench/trl_peer.py does not mirror --{', --'.join(refused)}: only --{', --'.join(MIRRORED)} "
+            "(and ours' --eval_steps, --num_eval_prompts)"
+        )
     cfg = g.parse_config(ours_args)
-    text = lambda v: ("1" if v else "0") if isinstance(v, bool) else str(v)
-    env = {var: text(getattr(cfg, opt)) for opt, var in MIRRORED.items() if (opt, cfg.model) != ("model", "smollm2")}  # (the peer's default)
+    # without --model: ours gets the offline default model, the peer its own default (the same folder)
+    model = [] if "model" in given else ["--model", offline_model.folder()]
+    env = {var: env_value(getattr(cfg, opt)) for opt, var in MIRRORED.items() if opt != "model" or "model" in given}
     env.update(STEPS=str(trl_steps or cfg.max_steps), OUT_DIR=os.path.join(out, f"trl-{round_}"))
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    ours = run + [os.path.join(os.path.dirname(HERE), "grpo_colocate.py"), *ours_args, "--output_dir", os.path.join(out, f"ours-{round_}")]
+    ours = run + [os.path.join(os.path.dirname(HERE), "grpo_colocate.py"), *model, *ours_args]
+    ours += ["--output_dir", os.path.join(out, f"ours-{round_}")]
     return ours, run + [os.path.join(HERE, "trl_peer.py")], env
 
 
 def summary(ours: list[dict], trl: list[dict]) -> dict:
     """Per round and over rounds: ours' split (step_split.split) against TRL's TRLPEER figures."""
-    rounds = [{"ours_step_s": o["step_s"], "ours_gen_coloc_train_s": [o["gen_s"], o["coloc_s"], o["train_s"]],
-               "ours_samples_per_s": o["samples_per_sec"], "ours_coloc_share": o["coloc_share"],
-               "trl_step_s": t["median_step_s"], "trl_samples_per_s": t["samples_per_s"],
-               "ours_over_trl": o["samples_per_sec"] / t["samples_per_s"]} for o, t in zip(ours, trl)]
+    rounds = [
+        {
+            "ours_step_s": o["step_s"],
+            "ours_gen_coloc_train_s": [o["gen_s"], o["coloc_s"], o["train_s"]],
+            "ours_samples_per_s": o["samples_per_sec"],
+            "ours_coloc_share": o["coloc_share"],
+            "trl_step_s": t["median_step_s"],
+            "trl_samples_per_s": t["samples_per_s"],
+            "ours_over_trl": o["samples_per_sec"] / t["samples_per_s"],
+        }
+        for o, t in zip(ours, trl, strict=True)
+    ]
     o_med, t_med = (statistics.median(r[k] for r in rounds) for k in ("ours_samples_per_s", "trl_samples_per_s"))
-    return {"rounds": rounds, "ours_samples_per_s": o_med, "trl_samples_per_s": t_med, "ours_over_trl": o_med / t_med,
-            "ours_over_trl_range": [min(r["ours_over_trl"] for r in rounds), max(r["ours_over_trl"] for r in rounds)]}
+    return {
+        "rounds": rounds,
+        "ours_samples_per_s": o_med,
+        "trl_samples_per_s": t_med,
+        "ours_over_trl": o_med / t_med,
+        "ours_over_trl_range": [min(r["ours_over_trl"] for r in rounds), max(r["ours_over_trl"] for r in rounds)],
+    }
 
 
 def run_logged(cmd: list[str], env: dict, log: str) -> str:
     """Run to the end with its output in `log`; on failure print the end of the log and stop."""
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT).returncode
-    text = open(log).read()
+    with open(log) as f:
+        text = f.read()
     if rc != 0:
         print(text[-3000:], file=sys.stderr)
         fail(f"{shlex.join(cmd)} exited with status {rc} (log: {log})", 1)
@@ -71,17 +122,20 @@ def run_logged(cmd: list[str], env: dict, log: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], usage="python bench/vs_trl.py [options] -- [grpo_colocate options]")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], usage="python bench/vs_trl.py [options] -- [grpo_colocate options]"
+    )
     p.add_argument("--rounds", type=int, default=2, help="ours then TRL, this many times")
     p.add_argument("--nproc", type=int, default=0, help="ranks per side (0: every visible GPU)")
     p.add_argument("--trl_steps", type=int, default=0, help="TRL's steps (0: ours' --max_steps)")
     p.add_argument("--out", default="/tmp/vs_trl", help="logs and ours' output_dir per round")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     argv = sys.argv[1:]
-    own, ours_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    own, ours_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = p.parse_args(own)
     if not args.nproc:
         import torch
+
         args.nproc = torch.cuda.device_count() or 1
     os.makedirs(args.out, exist_ok=True)
     ours_runs, trl_runs = [], []
@@ -91,21 +145,33 @@ def main() -> None:
             print("ours:", shlex.join(ours))
             print("TRL: ", " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(trl))
             return
+        if "model" not in given_options(ours_args):
+            offline_model.build()  # once, before either side's ranks look for it
         run_logged(ours, {}, os.path.join(args.out, f"ours-{r}.log"))
-        s = split([json.loads(line) for line in open(os.path.join(args.out, f"ours-{r}", "metrics.jsonl")) if line.strip()])
+        s = split(read_rows(os.path.join(args.out, f"ours-{r}", "metrics.jsonl")))
         ours_runs.append(s)
-        print(f"round {r + 1} ours: {s['step_s']:.3f} s/step ({s['gen_s']:.3f} / {s['coloc_s']:.3f} / {s['train_s']:.3f}), "
-              f"{s['samples_per_sec']:.1f} samples/s, co-location {100 * s['coloc_share']:.1f}%", flush=True)
+        print(
+            f"round {r + 1} ours: {s['step_s']:.3f} s/step ({s['gen_s']:.3f} / {s['coloc_s']:.3f} / "
+            f"{s['train_s']:.3f}), {s['samples_per_sec']:.1f} samples/s, co-location {100 * s['coloc_share']:.1f}%",
+            flush=True,
+        )
         text = run_logged(trl, env, os.path.join(args.out, f"trl-{r}.log"))
         line = next((ln for ln in text.splitlines() if ln.startswith("TRLPEER ")), None)
         if line is None:
             fail(f"no TRLPEER line in {os.path.join(args.out, f'trl-{r}.log')}", 1)
-        trl_runs.append(json.loads(line[len("TRLPEER "):]))
-        print(f"round {r + 1} TRL:  {trl_runs[-1]['median_step_s']:.3f} s/step, {trl_runs[-1]['samples_per_s']:.1f} samples/s", flush=True)
+        trl_runs.append(json.loads(line[len("TRLPEER ") :]))
+        print(
+            f"round {r + 1} TRL:  {trl_runs[-1]['median_step_s']:.3f} s/step, "
+            f"{trl_runs[-1]['samples_per_s']:.1f} samples/s",
+            flush=True,
+        )
     s = summary(ours_runs, trl_runs)
     print("VSTRL", json.dumps(s))
-    print(f"ours {s['ours_samples_per_s']:.1f} vs TRL {s['trl_samples_per_s']:.1f} samples/s (medians over {args.rounds} "
-          f"rounds): ours / TRL {s['ours_over_trl']:.2f}x (rounds {s['ours_over_trl_range'][0]:.2f}-{s['ours_over_trl_range'][1]:.2f}x)")
+    print(
+        f"ours {s['ours_samples_per_s']:.1f} vs TRL {s['trl_samples_per_s']:.1f} samples/s (medians over "
+        f"{args.rounds} rounds): ours / TRL {s['ours_over_trl']:.2f}x (rounds {s['ours_over_trl_range'][0]:.2f}-"
+        f"{s['ours_over_trl_range'][1]:.2f}x)"
+    )
 
 
 if __name__ == "__main__":
