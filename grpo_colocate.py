@@ -30,7 +30,10 @@ Launch (`bash run.sh` installs the environment, builds an offline copy of the de
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import gc
+import glob
 import json
 import logging
 import math
@@ -40,7 +43,7 @@ import random
 import re
 import shutil
 import signal
-import threading
+import sys
 import time
 import warnings
 import zlib
@@ -133,6 +136,7 @@ class Config:
     )
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass")
     output_dir: str = HfArg(default="runs/grpo", help="metrics, checkpoints, the final model (shared by all nodes)")
+    overwrite_output_dir: bool = HfArg(default=False, help="delete another run's metrics and checkpoints there first")
     save_steps: int = HfArg(default=0, help="save a resumable checkpoint every this many steps; 0 = only the end")
     resume: str = HfArg(default="", help='"latest" (newest complete checkpoint in output_dir) or a checkpoint folder')
 
@@ -151,9 +155,17 @@ MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory pr
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
 
+class OneLineParser(HfArgumentParser):
+    """argparse, but a bad command line is one line per rank, not a usage block (--help prints the options)."""
+
+    def error(self, message: str):
+        say(f"error: {message} (--help lists the options)")
+        sys.exit(2)
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config; --help lists every option, an unknown one exits with status 2."""
-    parser = HfArgumentParser(Config, description=__doc__.split("\n")[0])
+    """Command line -> Config; --help lists every option, a bad one exits with status 2."""
+    parser = OneLineParser(Config, description=__doc__.split("\n")[0])
     return Config(**vars(parser.parse_args(argv)))
 
 
@@ -250,24 +262,33 @@ def load_rows(path: str) -> list[dict]:
     """Rows {"prompt", "answer"} of a .jsonl file; an answer's text after "####" (as in GSM8K), if it has one."""
     if not os.path.isfile(path):
         raise ConfigError(f'--dataset {path}: no such file (expected "arithmetic" or a .jsonl file)')
-    raw = []
-    with open(path) as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                raw.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(
-                    f"--dataset {path}, line {line_number}: not valid JSON ({e.msg}); expected one object per line"
-                ) from None
-    if not raw:
-        raise ConfigError(f"--dataset {path}: the file has no rows")
-    for row in raw:
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # (-sig: a byte-order mark at the start is not part of the data)
+            lines = f.readlines()
+    except UnicodeDecodeError:
+        raise ConfigError(f"--dataset {path}: not UTF-8 text (a compressed file? decompress it first)") from None
+    rows = []
+    for line_number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"--dataset {path}, line {line_number}: not valid JSON ({e.msg}); expected one object per line"
+            ) from None
         if not isinstance(row, dict) or not {"prompt", "answer"} <= set(row):
             found = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ConfigError(f"--dataset {path}: rows need the fields 'prompt' and 'answer'; found {found}")
-    return [{"prompt": str(row["prompt"]), "answer": str(row["answer"]).split("####")[-1].strip()} for row in raw]
+        answer = "" if row["answer"] is None else str(row["answer"]).split("####")[-1].strip()
+        if not answer:  # a reward would compare completions with "None" or nothing
+            raise ConfigError(
+                f"--dataset {path}, line {line_number}: the answer is empty or null; fix or drop the row"
+            )
+        rows.append({"prompt": str(row["prompt"]), "answer": answer})
+    if not rows:
+        raise ConfigError(f"--dataset {path}: the file has no rows")
+    return rows
 
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -278,10 +299,10 @@ ONLY_A_NUMBER_RE = re.compile(r"\s*-?[\d,]+(\.\d+)?\s*")
 def extract_answer(completion: str) -> str | None:
     """The number in the last <answer>...</answer>, else the last number (a 135M model learns the tags late)."""
     tagged = ANSWER_RE.findall(completion)
-    numbers = NUMBER_RE.findall(tagged[-1] if tagged else completion)
-    if not numbers:
+    found = NUMBER_RE.findall(tagged[-1] if tagged else completion)
+    if not found:
         return None
-    return numbers[-1].replace(",", "")
+    return found[-1].replace(",", "")
 
 
 def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
@@ -498,8 +519,8 @@ def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtyp
 
     tp = cfg.vllm_tensor_parallel_size
     max_model_len = cfg.max_prompt_length + cfg.max_completion_length
-    # the engine runs one step's batch of its whole TP group at once (or the eval set, if that is larger)
-    max_num_seqs = max(cfg.completions_per_rank * tp, cfg.num_eval_prompts)
+    # the engine runs one step's batch of its whole TP group at once (evaluate sends batches no larger)
+    max_num_seqs = cfg.completions_per_rank * tp
     gpu_only = {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization} if ON_GPU else {}
     llm = LLM(
         model=model_path,
@@ -509,7 +530,7 @@ def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtyp
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len),
+        max_num_batched_tokens=max(max_num_seqs, min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len)),
         kv_cache_memory_bytes=kv_cache_bytes(model_path, tp, max_num_seqs, max_model_len, dtype),
         enable_sleep_mode=sleep_mode,
         logprobs_mode="processed_logprobs",  # the log-probs after temperature, as the trainer computes them
@@ -555,12 +576,15 @@ def exchange_prompts(prompt_ids: list[list[int]], tp_group, tp: int) -> tuple[li
 def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int, timer=None, seed: int | None = None):
     """vLLM's outputs for this rank's prompts, in order.
 
-    A TP group's ranks feed one engine, so they must give it the same prompts: each gathers the group's prompts, the
-    engine generates them all, and each rank keeps its own slice. With `seed`, prompt i of the group samples with seed
-    + i * n (vLLM gives its n samples seed + 0 .. n - 1)."""
+    A TP group's ranks feed one engine: with external_launcher each rank runs its own copy of the scheduler, so they
+    must submit the same requests in the same order with the same seeds, or their collectives go out of step. Each
+    gathers the group's prompts, the engine generates them all, and each rank keeps its own slice. With `seed`, prompt
+    i of the group samples with seed + i * n (vLLM gives its n samples seed + 0 .. n - 1)."""
     timer = timer or PhaseTimer()
     with timer("exchange"):
         group_prompts, start = exchange_prompts(prompt_ids, tp_group, tp)
+    if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
+        return []
     per_prompt = params
     if seed is not None:  # else vLLM's GPU runner seeds each request from numpy's RNG: a resumed run would differ
         per_prompt = [params.clone() for _ in group_prompts]
@@ -595,7 +619,8 @@ def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs,
             r.vllm_logps.append(list(sample.logprobs.logprobs))
             r.answers.append(example["answer"])
             r.truncated.append(sample.finish_reason == "length")
-    r.texts = tokenizer.batch_decode(r.completions, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    if r.completions:  # (batch_decode of no sequences is not an empty list)
+        r.texts = tokenizer.batch_decode(r.completions, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return r
 
 
@@ -668,8 +693,7 @@ def sleep_vllm(llm) -> None:
 # ======================================================================================================= the trainer
 def fill_ds_config(cfg: Config, world_size: int, bf16: bool) -> dict:
     """ds_zero3.json with its "auto" values taken from the options."""
-    with open(cfg.deepspeed_config) as f:
-        ds = json.load(f)
+    ds = read_ds_config(cfg.deepspeed_config)
     adamw = ds.get("optimizer", {}).get("params", {})
     filled = [
         (ds, "train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
@@ -757,6 +781,7 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
     batch = cfg.per_device_train_batch_size
     micro_batches = [slice(i, i + batch) for i in range(0, len(r.completions), batch)]
     lengths = torch.tensor([len(c) for c in r.completions], device=device)  # [B]
+    # [B]: 0 for a completion left out of the loss (cut at max length, with --mask_truncated_completions)
     keep = torch.tensor([not (cfg.mask_truncated_completions and t) for t in r.truncated], device=device).float()
     advantages = advantages.to(device)
     pad = torch.nn.utils.rnn.pad_sequence
@@ -776,7 +801,8 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
         for k, s in enumerate(micro_batches):
             logp, entropy = logprobs(engine, s)  # with the autograd graph
             old_logp = logp.detach() if old_logps[k] is None else old_logps[k]  # 1 pass: ratio 1, the policy gradient
-            live = (torch.arange(logp.shape[1], device=device)[None] < lengths[s, None]).float()  # [b, T] real tokens
+            positions = torch.arange(logp.shape[1], device=device)  # [T]
+            live = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
             mask = live * keep[s, None]  # [b, T] the tokens in the loss
             is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_cap)  # [b, T]
             loss, loss_sums = grpo_loss(
@@ -817,8 +843,9 @@ def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, live, mask,
     stats.sum("logp_diff", diff.sum())
     stats.max("logp_diff", diff.max())
     stats.sum("is_ratio", (is_weight * live).sum())
-    stats.max("is_ratio", is_weight[real].max())
-    stats.min("is_ratio", is_weight[real].min())
+    # (masked_fill, not is_weight[real]: a boolean index would make the CPU wait for the GPU here)
+    stats.max("is_ratio", is_weight.masked_fill(~real, 0.0).max())
+    stats.min("is_ratio", is_weight.masked_fill(~real, math.inf).min())
     stats.sum("tokens", live.sum())
     stats.sum("kept_tokens", mask.sum())
     stats.sum("entropy", (entropy * live).sum())
@@ -845,15 +872,21 @@ def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[
 
 
 def evaluate(llm, tokenizer, source, cfg: Config, tp_group, device) -> dict:
-    """Greedy accuracy and format on the held-out eval set, split over the ranks (vLLM must be awake)."""
-    rows = source.eval_rows[RANK :: dist.get_world_size()]
-    ids, _ = encode_prompts(tokenizer, [row["prompt"] for row in rows], cfg.max_prompt_length)
+    """Greedy accuracy and format on the held-out eval set, split over the ranks and sent to vLLM (awake) in batches of
+    one step's prompts at most, so the KV cache does not grow with the eval set."""
+    world = dist.get_world_size()
+    rows = source.eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
+    batch = cfg.completions_per_rank
+    rounds = math.ceil(math.ceil(len(source.eval_rows) / world) / batch)  # the same on every rank of a TP group
     greedy = sampling_params(1, 0.0, cfg.max_completion_length)
-    outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
-    r = collect_rollouts(rows, ids, outputs, tokenizer)
     stats = Stats()
-    stats.sum("correct", sum(correctness_reward(r.texts, r.answers)))
-    stats.sum("format", sum(format_reward(r.texts, r.answers)))
+    for i in range(rounds):
+        chunk = rows[i * batch : (i + 1) * batch]
+        ids, _ = encode_prompts(tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
+        outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
+        r = collect_rollouts(chunk, ids, outputs, tokenizer)
+        stats.sum("correct", sum(correctness_reward(r.texts, r.answers)))
+        stats.sum("format", sum(format_reward(r.texts, r.answers)))
     stats.sum("prompts", len(rows))
     totals = stats.reduce(device).sums
     return {
@@ -889,7 +922,7 @@ def setup(cfg: Config, model_path: str) -> Setup:
     if cfg.vllm_enable_sleep_mode and not ON_GPU:
         say("note: vLLM sleep mode is CUDA-only: on CPU the engine stays awake", rank0=True)
     tp_group = None
-    if tp > 1:  # every rank takes part in creating every group
+    if tp > 1:  # ours, for the prompt exchange only (vLLM makes its own, of the same contiguous ranks); all ranks join
         tp_group, _ = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))
     if not ON_GPU:  # no JIT build (g++, ~50 s) of a shared-memory op that gloo does not use
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -921,39 +954,42 @@ def setup(cfg: Config, model_path: str) -> Setup:
 
 
 def train(cfg: Config, device: torch.device) -> None:
+    """Preflight, set-up, then max_steps GRPO steps; a checkpoint every save_steps and on a signal; the final model."""
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
     G = cfg.num_generations
     per_rank = cfg.completions_per_rank
-    start = preflight(cfg, world)
+    plan = preflight(cfg, world)
     torch.manual_seed(cfg.seed)
-    s = setup(cfg, cfg.model)
-    if start.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
-        s.engine.load_checkpoint(os.path.join(start.resume_dir, "deepspeed"), tag="state")
-        say(f"resumed from {start.resume_dir}: continuing at step {start.step}", rank0=True)
+    parts = setup(cfg, cfg.model)
+    if plan.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
+        parts.engine.load_checkpoint(os.path.join(plan.resume_dir, "deepspeed"), tag="state")
+        say(f"resumed from {plan.resume_dir}: continuing at step {plan.first_step}", rank0=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, request_stop)
     say(
         f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step ({per_rank // G} prompts "
-        f"x {G}) | sleep mode {s.sleep_mode} | {s.engine.module.dtype}",
+        f"x {G}) | sleep mode {parts.sleep_mode} | {parts.engine.module.dtype}",
         rank0=True,
     )
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
-    pad_id = s.tokenizer.pad_token_id or 0
-    log_path = open_metrics_log(cfg.output_dir, start.step)
+    pad_id = parts.tokenizer.pad_token_id or 0
+    log_path = open_metrics_log(cfg.output_dir, plan.first_step)
     warned_truncation = False
-    for step in range(start.step, cfg.max_steps):
+    for step in range(plan.first_step, cfg.max_steps):
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
-        push_weights_to_vllm(s.llm, s.engine.module, s.sleep_mode, timer, s.wake_bytes)
+        push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode, timer, parts.wake_bytes)
         metrics = {"step": step}
         with timer("eval"):
             if eval_due(cfg, step):
-                metrics.update(evaluate(s.llm, s.tokenizer, start.source, cfg, s.tp_group, device))
+                metrics.update(evaluate(parts.llm, parts.tokenizer, plan.source, cfg, parts.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
-        examples = prompts_for_step(start.source, step, per_rank // G, world)
-        prompt_ids, truncated = encode_prompts(s.tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
+        examples = prompts_for_step(plan.source, step, per_rank // G, world)
+        prompt_ids, truncated = encode_prompts(
+            parts.tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length
+        )
         if truncated and not warned_truncation:
             say(
                 f"warning: rank {RANK}: {truncated} prompts longer than --max_prompt_length {cfg.max_prompt_length} "
@@ -961,12 +997,12 @@ def train(cfg: Config, device: torch.device) -> None:
             )
             warned_truncation = True
         seed = step_seed(cfg.seed, step, RANK // tp)
-        outputs = generate(s.llm, prompt_ids, sampling, s.tp_group, tp, timer, seed)
+        outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
         with timer("generate"):  # (decoding the texts)
-            rollouts = collect_rollouts(examples, prompt_ids, outputs, s.tokenizer)
-        if s.sleep_mode:
+            rollouts = collect_rollouts(examples, prompt_ids, outputs, parts.tokenizer)
+        if parts.sleep_mode:
             with timer("sleep"):
-                sleep_vllm(s.llm)  # what generation cached in torch's allocator, the trainer reuses
+                sleep_vllm(parts.llm)  # what generation cached in torch's allocator, the trainer reuses
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
         with timer("reward"):
@@ -975,7 +1011,7 @@ def train(cfg: Config, device: torch.device) -> None:
         # ---- 4. the policy update
         try:
             with timer("train"):  # the trainer's forward, backward and optimizer step
-                train_on_rollouts(s.engine, s.ref, rollouts, advantages, cfg, device, pad_id, stats)
+                train_on_rollouts(parts.engine, parts.ref, rollouts, advantages, cfg, device, pad_id, stats)
         except NonFiniteError as e:
             last = (checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
@@ -983,29 +1019,28 @@ def train(cfg: Config, device: torch.device) -> None:
         add_rollout_stats(stats, rollouts, group_std, examples, truncated)
         metrics.update(step_metrics(stats.reduce(device), cfg.reward_funcs))
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
-        if step == start.step:
-            metrics.update(s.memory)
+        if step == plan.first_step:
+            metrics.update(parts.memory)
         log_metrics(metrics, log_path)
         # ---- 6. a checkpoint when due, or when a signal came to any rank
         saved = cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0
         if saved:
-            save_checkpoint(s.engine, s.tokenizer, cfg, step + 1)
-        if global_sum(float(STOP.is_set()), device) > 0:
+            save_checkpoint(parts.engine, parts.tokenizer, cfg, step + 1)
+        if global_sum(float(STOP_SIGNAL is not None), device) > 0:  # any rank got one: all stop
             if not saved:
-                save_checkpoint(s.engine, s.tokenizer, cfg, step + 1)
-            say(
-                f"stopped by signal after step {step}; resume with --resume {checkpoints(cfg.output_dir)[-1]}",
-                rank0=True,
-            )
+                save_checkpoint(parts.engine, parts.tokenizer, cfg, step + 1)
+            saved_dir = checkpoints(cfg.output_dir)[-1]
+            say(f"stopped by a signal after step {step}: saved {saved_dir}; resume with --resume latest", rank0=True)
             return
     if eval_due(cfg, 0):  # the final weights, evaluated; then vLLM's memory is freed for the final gather and save
-        push_weights_to_vllm(s.llm, s.engine.module, s.sleep_mode)
+        push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode)
         log_metrics(
-            {"step": cfg.max_steps, **evaluate(s.llm, s.tokenizer, start.source, cfg, s.tp_group, device)}, log_path
+            {"step": cfg.max_steps, **evaluate(parts.llm, parts.tokenizer, plan.source, cfg, parts.tp_group, device)},
+            log_path,
         )
-        if s.sleep_mode:
-            sleep_vllm(s.llm)
-    save_model(s.engine.module, s.tokenizer, os.path.join(cfg.output_dir, "final"))
+        if parts.sleep_mode:
+            sleep_vllm(parts.llm)
+    save_model(parts.engine.module, parts.tokenizer, os.path.join(cfg.output_dir, "final"))
     say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
 
 
@@ -1049,8 +1084,42 @@ class PhaseTimer:
 
 
 # ---------------------------------------------------------------------------------------- preflight
+def validate_numbers(cfg: Config) -> None:
+    """Every number option finite, and the optimizer's in their ranges (a NaN would only show as a NaN loss)."""
+    for f in dataclasses.fields(cfg):
+        values = getattr(cfg, f.name)
+        for value in values if isinstance(values, list) else [values]:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"--{f.name} {value}: must be a finite number")
+    checks = [
+        (cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0"),
+        (cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0 (the clipping threshold)"),
+        (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: must be >= 0"),
+        (cfg.beta >= 0, f"--beta {cfg.beta}: must be >= 0 (0 = no KL term)"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def read_ds_config(path: str) -> dict:
+    """The DeepSpeed config file as a dict, or one line that says what is wrong with it."""
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--deepspeed_config {path}: cannot be read ({e.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"--deepspeed_config {path}: expected a JSON object")
+    return ds
+
+
 def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
     """The options against each other, in order: the first failed check is the error."""
+    validate_numbers(cfg)
+    read_ds_config(cfg.deepspeed_config)
     tp = cfg.vllm_tensor_parallel_size
     tp_option = f"--vllm_tensor_parallel_size {tp}"
     G = cfg.num_generations
@@ -1077,8 +1146,15 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
             f"per_device_train_batch_size * gradient_accumulation_steps = "
             f"{cfg.completions_per_rank} must be a multiple of --num_generations {G}",
         ),
-        (0 < cfg.vllm_gpu_memory_utilization < 1, "--vllm_gpu_memory_utilization: must be in (0, 1), e.g. 0.3"),
-        (cfg.epsilon > 0 and cfg.epsilon_high >= 0, "--epsilon / --epsilon_high: the clip range must be > 0"),
+        (
+            0 < cfg.vllm_gpu_memory_utilization < 1,
+            f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must be in (0, 1), e.g. 0.3",
+        ),
+        (
+            cfg.epsilon > 0 and cfg.epsilon_high >= 0,
+            f"--epsilon {cfg.epsilon} / --epsilon_high {cfg.epsilon_high}: the clip range must be > 0 (below) "
+            "and >= 0 (above)",
+        ),
         (cfg.temperature >= 0.01, f"--temperature {cfg.temperature}: vLLM samples anything below 0.01 as 0.01"),
         (
             cfg.vllm_importance_sampling_cap >= 1,
@@ -1113,6 +1189,9 @@ def validate_model(cfg: Config, model_path: str) -> None:
             f"--model {model_path}: not a model folder with a config.json, and not a model id that can be loaded here "
             f"({str(e).splitlines()[0][:160]}); offline, `python offline_model.py` builds SmolLM2-135M-Instruct"
         ) from None
+    weights = glob.glob(os.path.join(model_path, "*.safetensors")) + glob.glob(os.path.join(model_path, "*.bin"))
+    if os.path.isdir(model_path) and not weights:
+        raise ConfigError(f"--model {model_path}: a config.json but no weights (*.safetensors or *.bin) in the folder")
     tp = cfg.vllm_tensor_parallel_size
     architectures = getattr(model_config, "architectures", None) or []
     heads = model_config.num_attention_heads
@@ -1147,10 +1226,11 @@ def agree(check, *args):
     error = None
     try:
         result = check(*args)
-    except Exception as e:
-        error = (
-            str(e) if isinstance(e, ConfigError) else f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
-        )
+    except ConfigError as e:
+        error = str(e)
+    except Exception as e:  # anything else, e.g. a full disk on one rank: its first line
+        first_line = str(e).split("\n")[0][:300]
+        error = f"{type(e).__name__}: {first_line}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [(rank, message) for rank, message in enumerate(errors) if message]
@@ -1162,23 +1242,28 @@ def agree(check, *args):
 
 
 @dataclass
-class Start:
-    """Where the run starts: its data, and the checkpoint it resumes from (if any)."""
+class Plan:
+    """Where the run starts: its data, and the checkpoint it resumes from (if any) with the step that follows it."""
 
     source: ArithmeticTask | JsonlDataset
     resume_dir: str | None
-    step: int
+    first_step: int
 
 
-def preflight(cfg: Config, world: int) -> Start:
-    """Every check that needs no GPU work, each with one verdict for all ranks. Rank 0 alone writes the metrics and the
-    checkpoints' shared files, so every rank must see output_dir as rank 0 does (several nodes: a shared filesystem):
-    rank 0 writes a token there that every rank must find."""
+def preflight(cfg: Config, world: int) -> Plan:
+    """Every check that needs no GPU work, each with one verdict for all ranks, and the run's data and resume point.
+    Rank 0 alone writes the metrics and the checkpoints' shared files, so every rank must see output_dir as rank 0
+    does (several nodes: a shared filesystem): rank 0 writes a token there that every rank must find."""
     master = f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', os.getpid())}"
     token = os.path.join(cfg.output_dir, f".token-{master}")
     try:
         agree(check_options_and_write_token, cfg, world, token)
         return agree(check_model_data_and_resume, cfg, world, token)
+    except ConfigError:
+        for lock_file in OUTPUT_DIR_LOCK:  # a refused run holds no lock (the process may go on, as in the tests)
+            lock_file.close()
+        OUTPUT_DIR_LOCK.clear()
+        raise
     finally:
         if RANK == 0 and os.path.exists(token):
             os.remove(token)
@@ -1196,9 +1281,49 @@ def check_options_and_write_token(cfg: Config, world: int, token: str) -> None:
         raise ConfigError(
             f"--output_dir {cfg.output_dir}: not writable ({e.strerror}); pick a folder you can write to"
         ) from None
+    lock_output_dir(cfg.output_dir)
+    earlier = earlier_run_files(cfg.output_dir)
+    if earlier and not cfg.resume:
+        if not cfg.overwrite_output_dir:
+            raise ConfigError(
+                f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass --resume latest to continue "
+                "it, --overwrite_output_dir to replace it, or another folder"
+            )
+        for path in earlier:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
 
 
-def check_model_data_and_resume(cfg: Config, world: int, token: str) -> Start:
+OUTPUT_DIR_LOCK = []  # rank 0's open lock file: held while the process lives, released by the kernel when it ends
+
+
+def lock_output_dir(output_dir: str) -> None:
+    """One run per output_dir at a time: an exclusive flock on output_dir/.lock, which a crashed run cannot keep."""
+    lock_file = open(os.path.join(output_dir, ".lock"), "a+")  # noqa: SIM115 (open for the rest of the run)
+    try:
+        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock_file.seek(0)
+        holder = lock_file.read().strip() or "another process"
+        lock_file.close()
+        raise ConfigError(
+            f"--output_dir {output_dir}: in use by a running job ({holder}); wait or pick another folder"
+        ) from None
+    lock_file.truncate(0)
+    lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}")
+    lock_file.flush()
+    OUTPUT_DIR_LOCK[:] = [lock_file]
+
+
+def earlier_run_files(output_dir: str) -> list[str]:
+    """What a run leaves in output_dir: its metrics, checkpoints (complete or cut short) and final model."""
+    names = ["metrics.jsonl", "final", *(d for d in sorted(os.listdir(output_dir)) if d.startswith("checkpoint-"))]
+    return [os.path.join(output_dir, n) for n in names if os.path.exists(os.path.join(output_dir, n))]
+
+
+def check_model_data_and_resume(cfg: Config, world: int, token: str) -> Plan:
     validate_model(cfg, cfg.model)
     if not os.path.isfile(token):
         raise ConfigError(
@@ -1207,9 +1332,9 @@ def check_model_data_and_resume(cfg: Config, world: int, token: str) -> Start:
         )
     source = prompt_source(cfg)
     if not cfg.resume:
-        return Start(source, None, 0)
+        return Plan(source, None, 0)
     resume_dir, step = find_checkpoint(cfg, world)
-    return Start(source, resume_dir, step)
+    return Plan(source, resume_dir, step)
 
 
 # -------------------------------------------------------------------------------------- checkpoints
@@ -1244,8 +1369,17 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> str:
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(tmp, final)
+        remove_stale_saves(cfg.output_dir, step)
     dist.barrier()
     return final
+
+
+def remove_stale_saves(output_dir: str, step: int) -> None:
+    """The checkpoint-N.tmp folders of saves that were cut short (a crash, a kill), once a newer save is complete."""
+    for name in os.listdir(output_dir):
+        cut_short = re.fullmatch(r"checkpoint-(\d+)\.tmp", name)
+        if cut_short and int(cut_short.group(1)) <= step:
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
 
 
 def checkpoints(output_dir: str) -> list[str]:
@@ -1278,17 +1412,33 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
                 f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; an exact resume needs the "
                 "same number of ranks, --seed and --vllm_tensor_parallel_size"
             )
+    missing = missing_checkpoint_files(path, world)
+    if missing:
+        complete = [c for c in checkpoints(cfg.output_dir) if c != path and not missing_checkpoint_files(c, world)]
+        older = f"; {complete[-1]} is complete" if complete else "; no other checkpoint there is complete"
+        raise ConfigError(
+            f"--resume {path}: incomplete checkpoint, {len(missing)} files missing ({missing[0]}){older}"
+        )
     return path, state["step"]
 
 
-STOP = threading.Event()  # set by a signal; every rank checks it after each step
+def missing_checkpoint_files(path: str, world: int) -> list[str]:
+    """What an exact resume needs from a checkpoint and it lacks: the weights and every rank's ZeRO-3 files."""
+    needed = ["trainer_state.json", "*.safetensors"]
+    for rank in range(world):  # (DeepSpeed writes bf16_zero_pp_rank_... in bf16)
+        needed += [f"deepspeed/state/*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt"]
+        needed += [f"deepspeed/state/zero_pp_rank_{rank}_mp_rank_*_model_states.pt"]
+    return [pattern for pattern in needed if not glob.glob(os.path.join(path, pattern))]
+
+
+STOP_SIGNAL = None  # the signal that asked this rank to stop; every rank checks for one after each step
 
 
 def request_stop(signum, frame):
-    """SIGINT / SIGTERM: all ranks save and exit after this step (torchrun kills the workers 30 s after a signal)."""
-    if not STOP.is_set():
-        say(f"rank {RANK}: got {signal.Signals(signum).name}: will save a checkpoint and stop after this step")
-    STOP.set()
+    """SIGINT / SIGTERM: all ranks save and exit after this step (torchrun kills the workers 30 s after a signal).
+    Silent: when torchrun stops the others because a rank died, "lost contact" is the line that matters."""
+    global STOP_SIGNAL
+    STOP_SIGNAL = signal.Signals(signum).name
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -1312,7 +1462,9 @@ class Stats:
 
     def reduce(self, device) -> Stats:
         """The totals over all ranks, as floats."""
-        sum_names, max_names, min_names = sorted(self.sums), sorted(self.maxima), sorted(self.minima)
+        sum_names = sorted(self.sums)  # (every rank records the same names: one order for all)
+        max_names = sorted(self.maxima)
+        min_names = sorted(self.minima)
         local = [torch.as_tensor(self.sums[name], dtype=torch.float64, device=device) for name in sum_names]
         local += [torch.stack(self.maxima[name]).max() for name in max_names]
         local += [torch.stack(self.minima[name]).min() for name in min_names]
@@ -1440,7 +1592,13 @@ def open_metrics_log(output_dir: str, start_step: int) -> str:
         kept = []
         if start_step and os.path.exists(path):
             with open(path) as f:
-                kept = [line for line in f if json.loads(line)["step"] < start_step]
+                lines = f.readlines()
+            for line in lines:
+                try:
+                    if json.loads(line)["step"] < start_step:
+                        kept.append(line)
+                except (json.JSONDecodeError, KeyError, TypeError):  # cut short by a crash mid-write
+                    say(f"warning: {path}: dropped a line that is not a complete record: {line[:80]!r}")
         with open(path, "w") as f:
             f.writelines(kept)
     return path
