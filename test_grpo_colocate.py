@@ -1599,7 +1599,7 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     assert metrics[0]["sampling/logp_diff_mean"] < 1e-3  # step 0: nothing trained yet, disk == trainer
     assert metrics[1]["sampling/logp_diff_mean"] > 2e-2, metrics[1]  # no push: vLLM samples from stale weights
     assert metrics[2]["sampling/logp_diff_mean"] > 2e-2, metrics[2]  # reloaded from disk after the push: stale again
-    assert sorted(os.listdir(out)) == ["checkpoint-3", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "checkpoint-3", "metrics.jsonl"]
     weights = load_weights(out / "checkpoint-3")
     assert weights and all(torch.isfinite(w.float()).all() for w in weights.values())
     assert 'grpo_colocate.py", line' not in log
