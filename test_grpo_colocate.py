@@ -341,20 +341,15 @@ def test_a_failing_reward_is_left_out_and_counted(monkeypatch, capsys):
     r = g.Rollouts([], [], [], ["ok", "boom", "<answer>1</answer>"], ["1", "1", "1"], [])
     stats = g.Stats()
     total = g.score(r, ["picky", "correctness"], [1.0, 2.0], stats)
-    assert stats.sums["reward_failures"] == 1 and total.tolist() == [
-        1.0,
-        0.0,
-        3.0,
-    ]  # "boom": correctness still scores it
-    assert (
-        stats.sums["rewards/picky"] == 2.0 and stats.sums["scored/picky"] == 2
-    )  # the mean is over the scored samples
-    assert stats.sums["reward"] == 4.0 and stats.sums["scored"] == 3
+    assert stats.totals["rewards/failures"] == 1
+    assert total.tolist() == [1.0, 0.0, 3.0]  # "boom": correctness still scores it
+    assert stats.totals["rewards/picky"] == 2.0 and stats.counts["rewards/picky"] == 2  # a mean over the scored
+    assert stats.totals["reward"] == 4.0 and stats.counts["reward"] == 3
     stats = g.Stats()
     total = g.score(r, ["picky"], [1.0], stats)
     # none could: NaN, left out
-    assert stats.sums["reward_failures"] == 1 and math.isnan(total[1]) and total[0] == 1.0
-    assert stats.sums["scored"] == 2
+    assert stats.totals["rewards/failures"] == 1 and math.isnan(total[1]) and total[0] == 1.0
+    assert stats.counts["reward"] == 2
     assert "reward 'picky' failed for 1 of 3 samples (first: ValueError: cannot parse)" in capsys.readouterr().out
 
 
@@ -866,7 +861,7 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
         (
             {"reward_funcs": ["correctness", "nope"], "reward_weights": [1.0, 1.0]},
             1,
-            "--reward_funcs / --reward_weights: names from",
+            "--reward_funcs ['correctness', 'nope']: names from ['brevity', 'correctness', 'format']",
         ),
         ({"reward_weights": [1.0]}, 1, "one weight per name"),
         ({"temperature": 0.0}, 1, "--temperature 0.0"),
@@ -1066,22 +1061,19 @@ def _agree_worker(rank, world, port, q):
     r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], ["1", "1"], [True, False])
     stats = g.Stats()
     g.score(r, ["correctness"], [1.0], stats)
-    g.add_rollout_stats(stats, r, torch.tensor([0.0]), [{"prompt": "p"}], 0)
+    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"], 0)
     live = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
     mask = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # the 3-token completion was truncated and is masked
     diffs = [[0.1, 0.1, 0.1], [0.1, 0.0, 0.0]] if rank == 0 else [[0.2, 0.1, 0.05], [0.05, 0.0, 0.0]]  # 0.4 a rank
-    g.add_sync_check(stats, torch.zeros(2, 3), -torch.tensor(diffs), torch.ones(2, 3), live, mask, torch.ones(2, 3))
-    for key, value in {
-        "loss": 0.5,
-        "kl": 1.0,
-        "clip_ratio/low": 0.5,
-        "clip_ratio/high": 0.0,
-        "grad_norm": 1.0,
-    }.items():
-        stats.sum(key, torch.tensor(value))  # as train_on_rollouts adds them: tensors, reduced without .item()
-    before = dict(stats.sums)
-    out.append(g.step_metrics(stats.reduce(torch.device("cpu")), ["correctness"]))
-    out.append(stats.sums == before)  # reduce() returns the totals, this rank's stats stay as they were
+    g.add_sync_check(stats, torch.zeros(2, 3), -torch.tensor(diffs), torch.ones(2, 3), live, torch.ones(2, 3))
+    # as train_on_rollouts adds them: token sums over the tokens in the loss (tensors, reduced without .item())
+    for key, value in {"kl": 1.0, "clip_ratio/low": 0.5, "clip_ratio/high": 0.0}.items():
+        stats.mean(key, torch.tensor(value), mask.sum())
+    stats.mean("loss", torch.tensor(0.5), 1)
+    stats.mean("grad_norm", 1.0, 1)
+    before = dict(stats.totals)
+    out.append(stats.reduce(torch.device("cpu")))
+    out.append(stats.totals == before)  # reduce() returns the totals, this rank's stats stay as they were
     q.put((rank, out))
     dist.destroy_process_group()
 
@@ -1101,7 +1093,7 @@ def test_every_rank_stops_when_one_fails():
             m["kl"] == 1.0 and m["clip_ratio/low"] == 0.5 and m["sampling/logp_diff_mean"] == pytest.approx(0.1)
         )  # 2/2 and 1/2 kept; 0.8/8
         assert (
-            m["reward"] == m["accuracy"] == 1.0 and m["rewards/failures"] == 2
+            m["reward"] == m["rewards/correctness"] == 1.0 and m["rewards/failures"] == 2
         )  # the unscored samples are not averaged in
         assert (
             m["completions/total_tokens"] == 8
@@ -1282,7 +1274,7 @@ def _zero3_worker(rank, world, port, model, q):
                 masked,
                 iters,
                 worst,
-                stats.sums["grad_norm"],
+                stats.totals["grad_norm"],
                 sum(norms) / len(norms),
                 len(norms),
                 sum(p.ds_persist for p in params) / len(params),
@@ -1738,17 +1730,28 @@ def steps_logged(out_dir):
         return [json.loads(line)["step"] for line in f if "loss" in line]
 
 
-def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp2_run, tiny_tp_model, tmp_path):
-    """The same run as tp2_run (TP=2, a reference model, two passes), but both ranks get SIGTERM during step 1 (a
-    preemption), then --resume latest: the resumed steps draw the same prompts and sample and train exactly as the
-    uninterrupted run did."""
+def launch_run_sh(args, out_dir, env):
+    """`bash run.sh ARGS` as a user or a scheduler starts it: the environment as it is, 2 CPU ranks."""
+    bin_dir = os.path.dirname(sys.executable)  # (python and torchrun of this environment)
+    env = {**os.environ, "NO_INSTALL": "1", "PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
+    env["PET_MASTER_PORT"] = str(free_port())  # (torchrun's --master_port)
+    cmd = ["bash", os.path.join(HERE, "run.sh"), *args, "--output_dir", str(out_dir)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=HERE, env=env)
+
+
+def test_a_signal_to_the_launcher_saves_and_resume_matches_an_uninterrupted_run(tp2_run, tiny_tp_model, tmp_path):
+    """The same run as tp2_run (TP=2, a reference model, two passes), stopped as a scheduler stops a job: SIGTERM to
+    the launcher (run.sh) during step 1. torchrun, were the signal to reach it, would kill the workers 1 s later
+    (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1), before any save: run.sh hands the signal to the workers instead, which stop
+    at the next safe point (after generation, or after the step), save, and exit 0. --resume latest then draws the
+    same prompts and samples and trains exactly as the uninterrupted run did."""
     args, full, out = TP2 + ["--model", str(tiny_tp_model)], tp2_run[2], tmp_path / "cut"
-    proc = launch(args, out)
+    proc = launch_run_sh(args, out, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"})
     wait_for(lambda: 0 in steps_logged(out), proc)  # step 0 done: step 1 is under way
-    for pid in rank_pids(proc.pid).values():
-        os.kill(pid, signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log[-3000:]  # a clean stop, not a crash
+    assert "run.sh: stop requested" in log and "SignalException" not in log, log[-3000:]
     # normally during step 1; if the signal beat step 0's last collective by a few ms, after step 0
     stopped = re.findall(r"stopped by a signal after step (\d): saved (\S+); resume with --resume latest", log)
     assert len(stopped) == 1, log[-3000:]  # one line, from rank 0
@@ -1756,6 +1759,7 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp2_run, tiny_tp_
     assert stopped[0][1] == str(out / f"checkpoint-{last + 1}")
     assert steps_logged(out) == list(range(last + 1)) and last < 4  # steps are left to resume
     assert os.path.isfile(out / f"checkpoint-{last + 1}" / "trainer_state.json")
+    assert [d for d in os.listdir(out) if d.startswith("checkpoint")] == [f"checkpoint-{last + 1}"]
 
     rc, log, resumed = torchrun(args + ["--resume", "latest"], out)
     assert rc == 0, log[-3000:]
@@ -1766,7 +1770,13 @@ def test_sigterm_saves_and_resume_matches_an_uninterrupted_run(tp2_run, tiny_tp_
     for a, b in zip(full, resumed, strict=True):
         assert a.get("prompts/hash") == b.get("prompts/hash"), a["step"]  # the same data position
         # the same weights and optimizer state, the same sampling seeds: the same samples and the same update
-        for key in ("reward", "accuracy", "completions/mean_length", "completions/total_tokens", "eval/accuracy"):
+        for key in (
+            "reward",
+            "rewards/correctness",
+            "completions/mean_length",
+            "completions/total_tokens",
+            "eval/accuracy",
+        ):
             assert a.get(key) == b.get(key), (a["step"], key)
         if "loss" in a:
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)

@@ -48,8 +48,9 @@ def main() -> None:
         if ev:
             ev_steps, ev_accuracy = [r["step"] for r in ev], [r["eval/accuracy"] for r in ev]
             ax[0, 0].plot(ev_steps, ev_accuracy, "o-", color=color, label=f"{label}: eval (greedy)")
-        if train and "accuracy" in train[0]:
-            ax[0, 0].plot(steps, smooth(column(train, "accuracy")), "--", color=color, label=f"{label}: sampled")
+        accuracy = "rewards/correctness" if train and "rewards/correctness" in train[0] else "accuracy"
+        if train and accuracy in train[0]:
+            ax[0, 0].plot(steps, smooth(column(train, accuracy)), "--", color=color, label=f"{label}: sampled")
         fmt = "rewards/format" if train and "rewards/format" in train[0] else "reward"
         fmt_label = label if fmt != "reward" else f"{label} (total reward)"
         ax[0, 1].plot(steps, smooth(column(train, fmt)), color=color, label=fmt_label)

@@ -177,7 +177,7 @@ def main():
         runs = []  # each step's Stats; the warm-up step's loss and gradient norm: equal across variants
         t = time_steps(functools.partial(train_step, engine, r, adv, cfg, dev, pad, runs), repeats)
         results[name] = (statistics.median(t), peak_gib(), ds)
-        first_loss, first_grad_norm = float(runs[0].sums["loss"]), float(runs[0].sums["grad_norm"])
+        first_loss, first_grad_norm = float(runs[0].totals["loss"]), float(runs[0].totals["grad_norm"])
         g.say(
             f"TRAIN {name:40s} {statistics.median(t):7.3f} s/step (train phase)  {min(t):.3f}-{max(t):.3f}  "
             f"peak allocated {results[name][1]:.1f} GiB  first step: loss {first_loss:.6e} grad_norm "
