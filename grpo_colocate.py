@@ -444,12 +444,12 @@ def grpo_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    ref_logp: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
     *,
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     beta: float = 0.0,
-    ref_logp: torch.Tensor | None = None,
-    is_weight: torch.Tensor | None = None,
     loss_type: str = "dapo",
     max_completion_length: int | None = None,
     num_sequences: int | None = None,
@@ -803,6 +803,10 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
     # by the step's tokens of all ranks / world, grpo and dr_grpo by this rank's sequences: the gradient of the whole
     # global batch's loss.
     tokens_per_rank = max(global_sum((lengths * keep).sum().item(), device) / dist.get_world_size(), 1.0)
+    # the loss's settings, the same for every micro-batch (its denominators are the whole step's)
+    loss_options = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type)
+    loss_options.update(max_completion_length=cfg.max_completion_length, num_sequences=len(r.completions))
+    loss_options.update(num_tokens=tokens_per_rank)
 
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
         return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id)
@@ -820,21 +824,8 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
             live = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
             mask = live * keep[s, None]  # [b, T] the tokens in the loss
             is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_cap)  # [b, T]
-            loss, loss_sums = grpo_loss(
-                logp,
-                old_logp,
-                advantages[s],
-                mask,
-                epsilon_low=cfg.epsilon,
-                epsilon_high=cfg.epsilon_high,
-                beta=cfg.beta,
-                ref_logp=ref_logps[k],
-                is_weight=is_weight if cfg.vllm_importance_sampling_correction else None,
-                loss_type=cfg.loss_type,
-                max_completion_length=cfg.max_completion_length,
-                num_sequences=len(r.completions),
-                num_tokens=tokens_per_rank,
-            )
+            weight = is_weight if cfg.vllm_importance_sampling_correction else None
+            loss, loss_sums = grpo_loss(logp, old_logp, advantages[s], mask, ref_logps[k], weight, **loss_options)
             engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
             rank_loss = rank_loss + loss.detach() / cfg.num_iterations
             for name, token_sum in loss_sums.items():  # clip ratios and KL: means over the tokens in the loss
@@ -966,7 +957,7 @@ def train(cfg: Config, device: torch.device) -> None:
     log_path = open_metrics_log(cfg.output_dir, plan.first_step)
     warned_truncation = False
     for step in range(plan.first_step, cfg.max_steps):
-        if stop_requested(device):  # (a signal during the last step's save or log, or during set-up)
+        if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
             return stop_and_save(parts, cfg, step, plan.first_step)
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
@@ -981,7 +972,7 @@ def train(cfg: Config, device: torch.device) -> None:
         questions = [example["prompt"] for example in examples]
         prompt_ids, truncated = encode_prompts(parts.tokenizer, questions, cfg.max_prompt_length)
         if truncated and not warned_truncation:
-            say(f"warning: rank {RANK}: prompts cut to --max_prompt_length tokens (counted in prompts/truncated)")
+            say(f"warning: rank {RANK}: {truncated} prompts cut to --max_prompt_length tokens (prompts/truncated)")
             warned_truncation = True
         seed = step_seed(cfg.seed, step, RANK // tp)
         outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
@@ -990,9 +981,8 @@ def train(cfg: Config, device: torch.device) -> None:
         if parts.sleep_mode:
             with timer("sleep"):
                 sleep_vllm(parts.llm)  # what generation cached in torch's allocator, the trainer reuses
-        if stop_requested(
-            device
-        ):  # a safe point: the resumed run draws this step's samples again, with the same seeds
+        # a safe point: the samples are dropped, and the resumed run draws them again, with the same seeds
+        if stop_requested(device):
             return stop_and_save(parts, cfg, step, plan.first_step)
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
@@ -1016,9 +1006,8 @@ def train(cfg: Config, device: torch.device) -> None:
         # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(parts.engine, parts.tokenizer, cfg, step + 1)
-    if eval_due(cfg, 0) and not stop_requested(
-        device
-    ):  # the final weights, evaluated; then vLLM's memory is freed for the final gather and save
+    # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
+    if eval_due(cfg, 0) and not stop_requested(device):
         push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode)
         evaluation = evaluate(parts.llm, parts.tokenizer, plan.source, cfg, parts.tp_group, device)
         log_metrics({"step": cfg.max_steps, **evaluation}, log_path)
@@ -1088,30 +1077,25 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
                 raise ConfigError(f"--{f.name} {value}: must be a finite number")
     read_ds_config(cfg.deepspeed_config)
     tp = cfg.vllm_tensor_parallel_size
+    tp_option = f"--vllm_tensor_parallel_size {tp}"
     G = cfg.num_generations
+    per_rank = cfg.completions_per_rank
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     sizes = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length"]
     sizes += ["max_completion_length", "num_iterations", "max_steps"]
-    sleep_breaks = on_gpu and cfg.vllm_enable_sleep_mode
-    sleep_breaks = sleep_breaks and "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    known_rewards = set(cfg.reward_funcs) <= set(REWARD_FUNCS)
+    counts = [cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps]
+    expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    cap = cfg.vllm_importance_sampling_cap
+    unknown_rewards = sorted(set(cfg.reward_funcs) - set(REWARD_FUNCS))
     checks = [
-        (
-            tp >= 1 and world % tp == 0,
-            f"--vllm_tensor_parallel_size {tp} must divide the number of processes ({world})",
-        ),
+        (tp >= 1 and world % tp == 0, f"{tp_option} must divide the number of processes ({world})"),
         (
             per_node % max(tp, 1) == 0,
-            f"--vllm_tensor_parallel_size {tp} must divide the ranks per node ({per_node}): "
-            "a TP group must not span nodes",
+            f"{tp_option} must divide the ranks per node ({per_node}): a TP group must not span nodes",
         ),
         (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
         (min(getattr(cfg, name) for name in sizes) >= 1, f"--{', --'.join(sizes)} must all be >= 1"),
-        (
-            cfg.completions_per_rank % max(G, 1) == 0,
-            f"per_device_train_batch_size * gradient_accumulation_steps = "
-            f"{cfg.completions_per_rank} must be a multiple of --num_generations {G}",
-        ),
+        (per_rank % max(G, 1) == 0, f"completions per rank {per_rank} must be a multiple of --num_generations {G}"),
         (cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0"),
         (cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0 (the clipping threshold)"),
         (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: must be >= 0"),
@@ -1119,22 +1103,16 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
         (0 < cfg.vllm_gpu_memory_utilization < 1, "--vllm_gpu_memory_utilization must be in (0, 1), e.g. 0.3"),
         (cfg.epsilon > 0 and cfg.epsilon_high >= 0, "--epsilon / --epsilon_high: the clip range must be > 0 / >= 0"),
         (cfg.temperature >= 0.01, f"--temperature {cfg.temperature}: vLLM samples anything below 0.01 as 0.01"),
-        (
-            cfg.vllm_importance_sampling_cap >= 1,
-            f"--vllm_importance_sampling_cap {cfg.vllm_importance_sampling_cap}: must be >= 1 (e.g. 3)",
-        ),
-        (
-            min(cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps) >= 0,
-            "--num_eval_prompts, --eval_steps and --save_steps must be >= 0",
-        ),
+        (cap >= 1, f"--vllm_importance_sampling_cap {cap}: must be >= 1 (e.g. 3)"),
+        (min(counts) >= 0, "--num_eval_prompts, --eval_steps and --save_steps must be >= 0"),
         (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
         (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
-        (known_rewards, f"--reward_funcs {cfg.reward_funcs}: names from {sorted(REWARD_FUNCS)}"),
+        (not unknown_rewards, f"--reward_funcs {unknown_rewards}: not among {sorted(REWARD_FUNCS)}"),
         (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
         (
-            not sleep_breaks,
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep mode; unset it or "
-            "pass --vllm_enable_sleep_mode false",
+            not (on_gpu and cfg.vllm_enable_sleep_mode and expandable),
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+            "breaks vLLM's sleep mode; unset it or pass --vllm_enable_sleep_mode false",
         ),
     ]
     for ok, message in checks:
@@ -1174,26 +1152,25 @@ def validate_model(cfg: Config, model_path: str) -> None:
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     context = getattr(c, "max_position_embeddings", 0)
     length = cfg.max_prompt_length + cfg.max_completion_length
+    split = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
     checks = [
         (
             weights or not os.path.isdir(model_path),
-            "a config.json but no weights (*.safetensors or *.bin) in the folder",
+            f"--model {model_path}: a config.json but no weights in the folder",
         ),
-        (any(a.endswith("ForCausalLM") for a in architectures), f"architectures {architectures} is not a causal LM"),
         (
-            heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0),
-            f"--vllm_tensor_parallel_size {tp} cannot "
-            f"split the model's {heads} attention / {kv_heads} KV heads; use a TP size that divides {heads}",
+            any(a.endswith("ForCausalLM") for a in architectures),
+            f"--model {model_path}: {architectures}: not a causal LM",
         ),
+        (split, f"--vllm_tensor_parallel_size {tp} cannot split the model's {heads} attention / {kv_heads} KV heads"),
         (
             not context or length <= context,
-            f"--max_prompt_length {cfg.max_prompt_length} + --max_completion_length "
-            f"{cfg.max_completion_length} exceeds the model's context ({context} tokens)",
+            f"--max_prompt_length + --max_completion_length = {length} exceeds the model's context ({context} tokens)",
         ),
     ]
     for ok, message in checks:
         if not ok:
-            raise ConfigError(f"--model {model_path}: {message}")
+            raise ConfigError(message)
 
 
 def agree(check, *args):
@@ -1445,31 +1422,26 @@ class Stats:
 
     def reduce(self, device) -> dict[str, float]:
         """{name: value} over all ranks."""
-        names = sorted(self.totals) + sorted(self.counts)  # (the same order on every rank)
+        sums = sorted(self.totals)  # (every rank records the same names: one order on all)
+        means = sorted(self.counts)
         maxima = sorted(self.maxima)
         minima = sorted(self.minima)
-        local = [self.totals[n] for n in sorted(self.totals)] + [self.counts[n] for n in sorted(self.counts)]
-        local += [torch.stack(self.maxima[n]).max() for n in maxima]
-        local += [torch.stack(self.minima[n]).min() for n in minima]
-        mine = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in local])
+        values = [self.totals[name] for name in sums] + [self.counts[name] for name in means]
+        values += [torch.stack(self.maxima[name]).max() for name in maxima]
+        values += [torch.stack(self.minima[name]).min() for name in minima]
+        mine = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
         everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
         table = torch.stack(everyone)  # [ranks, values]: the totals, the counts, the maxima, the minima
-        first_max = len(names)
-        first_min = first_max + len(maxima)
+        first_max = len(sums) + len(means)
         summed = table[:, :first_max].sum(0).tolist()
-        totals = dict(zip(sorted(self.totals), summed[: len(self.totals)], strict=True))
-        counts = dict(zip(sorted(self.counts), summed[len(self.totals) :], strict=True))
-        out = {}
-        for name, total in totals.items():
-            if name not in counts:
-                out[name] = total
-            elif counts[name] > 0:
-                out[name] = total / counts[name]
-            else:  # (nothing to average: e.g. every completion masked out of the loss)
-                out[name] = 0.0
-        out.update(zip(maxima, table[:, first_max:first_min].max(0).values.tolist(), strict=True))
-        out.update(zip(minima, table[:, first_min:].min(0).values.tolist(), strict=True))
+        largest = table[:, first_max : first_max + len(maxima)].max(0).values.tolist()
+        smallest = table[:, first_max + len(maxima) :].min(0).values.tolist()
+        out = dict(zip(sums, summed[: len(sums)], strict=True))
+        for name, count in zip(means, summed[len(sums) :], strict=True):
+            out[name] = out[name] / count if count else 0.0  # (no count: e.g. every completion left out of the loss)
+        out.update(zip(maxima, largest, strict=True))
+        out.update(zip(minima, smallest, strict=True))
         return out
 
 
