@@ -1784,6 +1784,44 @@ def test_a_signal_to_the_launcher_saves_and_resume_matches_an_uninterrupted_run(
             assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-8)  # the reference: the base model again
 
 
+SIGNAL_LAUNCHER = """# grpo_colocate.py whose rank 1 sends itself SIGTERM when {function} is called in step 1
+import os, signal, sys
+sys.path.insert(0, {here!r})
+import grpo_colocate as g
+calls, original = [], g.{function}
+
+def signalled(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 2 and g.RANK == 1:  # (the function runs once a step: the 2nd call is step 1's)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return original(*args, **kwargs)
+
+g.{function} = signalled
+g.main()
+"""
+
+
+@pytest.mark.parametrize(
+    "function,last_step",
+    [("step_seed", 0), ("train_on_rollouts", 1)],  # just before step 1's generation; during its training
+)
+def test_a_signal_stops_at_the_next_safe_point_without_the_eval(tiny_tp_model, tmp_path, function, last_step):
+    """SIGTERM to one rank (as a scheduler signals the workers) stops every rank at the next safe point: right after
+    the step's generation, whose samples are dropped (the resume draws them again), or after a training phase it
+    cannot cut short. Then a checkpoint of the last step trained, no eval (step 2 would have one), exit 0."""
+    launcher = tmp_path / "launch_signal.py"
+    launcher.write_text(SIGNAL_LAUNCHER.format(here=HERE, function=function))
+    out = tmp_path / "out"
+    args = E2E + TINY + ["--model", str(tiny_tp_model), "--max_steps", "4", "--eval_steps", "2"]
+    rc, log, metrics = torchrun(args, out, script=str(launcher))
+    assert rc == 0, log[-3000:]
+    saved = out / f"checkpoint-{last_step + 1}"
+    assert log.count(f"stopped by a signal after step {last_step}: saved {saved}; resume with") == 1, log[-3000:]
+    assert [m["step"] for m in metrics] == list(range(last_step + 1))  # the eval of step 0 on its line, none after
+    assert "eval/accuracy" in metrics[0] and os.path.isfile(saved / "trainer_state.json")
+    assert sorted(os.listdir(out)) == [".lock", saved.name, "metrics.jsonl"]
+
+
 def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tiny_tp_model, tmp_path):
     # the tiny model: fast steps; far more of them than the test lets it reach
     proc = launch(
