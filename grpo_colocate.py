@@ -1190,7 +1190,8 @@ def agree(check, *args):
     except ConfigError as e:
         error = str(e)
     except Exception as e:  # anything else, e.g. a full disk on one rank: its first line
-        error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        first_line = str(e).split("\n")[0][:300]
+        error = f"{type(e).__name__}: {first_line}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [(rank, message) for rank, message in enumerate(errors) if message]
@@ -1213,36 +1214,30 @@ class Plan:
 def preflight(cfg: Config, world: int) -> Plan:
     """Every check that needs no GPU work, each with one verdict for all ranks, and the run's data and resume point.
     Rank 0 alone writes the metrics and the checkpoints' shared files, so every rank must see output_dir as rank 0
-    does (several nodes: a shared filesystem): rank 0 writes a token there that every rank must find."""
-    master = f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', os.getpid())}"
-    token = os.path.join(cfg.output_dir, f".token-{master}")
+    does (several nodes: a shared filesystem): each must find rank 0's lock file there, naming this job."""
+    job = f"job {os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', os.getpid())}"
     try:
-        agree(check_options_and_claim_output_dir, cfg, world, token)
-        return agree(check_model_data_and_resume, cfg, world, token)
+        agree(check_options_and_claim_output_dir, cfg, world, job)
+        return agree(check_model_data_and_resume, cfg, world, job)
     except ConfigError:
         for lock_file in OUTPUT_DIR_LOCK:  # a refused run holds no lock (the process may go on, as in the tests)
             lock_file.close()
         OUTPUT_DIR_LOCK.clear()
         raise
-    finally:
-        if RANK == 0 and os.path.exists(token):
-            os.remove(token)
 
 
-def check_options_and_claim_output_dir(cfg: Config, world: int, token: str) -> None:
-    """The options; then on rank 0: output_dir writable, locked for this run, and free of another run's files."""
+def check_options_and_claim_output_dir(cfg: Config, world: int, job: str) -> None:
+    """The options; then on rank 0: output_dir writable, locked for this job, and free of another run's files."""
     validate_options(cfg, world, ON_GPU)
     if RANK != 0:
         return
     try:
         os.makedirs(cfg.output_dir, exist_ok=True)
-        with open(token, "w"):
-            pass
+        lock_output_dir(cfg.output_dir, job)
     except OSError as e:
         raise ConfigError(
             f"--output_dir {cfg.output_dir}: not writable ({e.strerror}); pick a folder you can write to"
         ) from None
-    lock_output_dir(cfg.output_dir)
     earlier = earlier_run_files(cfg.output_dir)
     if earlier and not cfg.resume and not cfg.overwrite_output_dir:
         raise ConfigError(
@@ -1260,8 +1255,9 @@ def check_options_and_claim_output_dir(cfg: Config, world: int, token: str) -> N
 OUTPUT_DIR_LOCK = []  # rank 0's open lock file: held while the process lives, released by the kernel when it ends
 
 
-def lock_output_dir(output_dir: str) -> None:
-    """One run per output_dir at a time: an exclusive flock on output_dir/.lock, which a crashed run cannot keep."""
+def lock_output_dir(output_dir: str, job: str) -> None:
+    """One run per output_dir at a time: an exclusive flock on output_dir/.lock, which a crashed run cannot keep. The
+    file says who holds it."""
     lock_file = open(os.path.join(output_dir, ".lock"), "a+")  # noqa: SIM115 (open for the rest of the run)
     try:
         fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1273,7 +1269,7 @@ def lock_output_dir(output_dir: str) -> None:
             f"--output_dir {output_dir}: in use by a running job ({holder}); wait or pick another folder"
         ) from None
     lock_file.truncate(0)
-    lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}")
+    lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}, {job}")
     lock_file.flush()
     OUTPUT_DIR_LOCK[:] = [lock_file]
 
@@ -1284,10 +1280,15 @@ def earlier_run_files(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, n) for n in names if os.path.exists(os.path.join(output_dir, n))]
 
 
-def check_model_data_and_resume(cfg: Config, world: int, token: str) -> Plan:
+def check_model_data_and_resume(cfg: Config, world: int, job: str) -> Plan:
     """The model, output_dir as rank 0 sees it, the data, and the checkpoint to resume from."""
     validate_model(cfg, cfg.model)
-    if not os.path.isfile(token):
+    lock_path = os.path.join(cfg.output_dir, ".lock")
+    holder = ""
+    if os.path.isfile(lock_path):
+        with open(lock_path) as f:
+            holder = f.read()
+    if not holder.endswith(job):
         raise ConfigError(
             f"--output_dir {cfg.output_dir}: this rank does not see what rank 0 wrote there; with several nodes, "
             "output_dir must be on a filesystem they all share (rank 0 writes the checkpoints)"
