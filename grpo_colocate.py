@@ -120,7 +120,7 @@ class Config:
     vllm_importance_sampling_correction: bool = HfArg(
         default=True, help="weight tokens by min(p_trainer / p_vllm, cap)"
     )
-    vllm_importance_sampling_cap: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
+    vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
 
     # --- vLLM
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
@@ -138,6 +138,7 @@ class Config:
     output_dir: str = HfArg(default="runs/grpo", help="metrics, checkpoints, the final model (shared by all nodes)")
     overwrite_output_dir: bool = HfArg(default=False, help="delete another run's metrics and checkpoints there first")
     save_steps: int = HfArg(default=0, help="save a resumable checkpoint every this many steps; 0 = only the end")
+    save_total_limit: int | None = HfArg(default=None, help="keep the newest N checkpoints (default: all)")
     resume: str = HfArg(default="", help='"latest" (newest complete checkpoint in output_dir) or a checkpoint folder')
 
     def __post_init__(self):
@@ -826,7 +827,7 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
             positions = torch.arange(logp.shape[1], device=device)  # [T]
             live = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
             mask = live * keep[s, None]  # [b, T] the tokens in the loss
-            is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_cap)  # [b, T]
+            is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max)  # [b, T]
             if iteration == 0:  # before the update: the weights vLLM sampled with
                 add_sync_check(stats, old_logp, vllm_logps[k], is_weight, live, entropy)
             if not cfg.vllm_importance_sampling_correction:
@@ -1092,7 +1093,7 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
     sizes += ["max_completion_length", "num_iterations", "max_steps"]
     counts = [cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps]
     expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    cap = cfg.vllm_importance_sampling_cap
+    cap = cfg.vllm_importance_sampling_clip_max
     unknown_rewards = sorted(set(cfg.reward_funcs) - set(REWARD_FUNCS))
     checks = [
         (tp >= 1 and world % tp == 0, f"{tp_option} must divide the number of processes ({world})"),
@@ -1110,8 +1111,9 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
         (0 < cfg.vllm_gpu_memory_utilization < 1, "--vllm_gpu_memory_utilization must be in (0, 1), e.g. 0.3"),
         (cfg.epsilon > 0 and cfg.epsilon_high >= 0, "--epsilon / --epsilon_high: the clip range must be > 0 / >= 0"),
         (cfg.temperature >= 0.01, f"--temperature {cfg.temperature}: vLLM samples anything below 0.01 as 0.01"),
-        (cap >= 1, f"--vllm_importance_sampling_cap {cap}: must be >= 1 (e.g. 3)"),
+        (cap >= 1, f"--vllm_importance_sampling_clip_max {cap}: must be >= 1 (e.g. 3)"),
         (min(counts) >= 0, "--num_eval_prompts, --eval_steps and --save_steps must be >= 0"),
+        (cfg.save_total_limit is None or cfg.save_total_limit >= 1, "--save_total_limit: at least 1 checkpoint"),
         (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
         (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
         (not unknown_rewards, f"--reward_funcs {unknown_rewards}: not among {sorted(REWARD_FUNCS)}"),
@@ -1329,6 +1331,7 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> None:
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(tmp, final)
         remove_stale_saves(cfg.output_dir, step)
+        remove_old_checkpoints(cfg.output_dir, cfg.save_total_limit)
     dist.barrier()
 
 
@@ -1338,6 +1341,14 @@ def remove_stale_saves(output_dir: str, step: int) -> None:
         cut_short = re.fullmatch(r"checkpoint-(\d+)\.tmp", name)
         if cut_short and int(cut_short.group(1)) <= step:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+def remove_old_checkpoints(output_dir: str, limit: int | None) -> None:
+    """All but the newest `limit` complete checkpoints (--save_total_limit), once a new one is complete: never the one
+    being written, and the one a run resumed from only when a newer one is there."""
+    if limit:
+        for path in checkpoints(output_dir)[:-limit]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def checkpoints(output_dir: str) -> list[str]:

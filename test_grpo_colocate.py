@@ -379,9 +379,12 @@ def test_parse_config_and_help(capsys):
         and cfg.mask_truncated_completions
     )
     assert g.parse_config([]) == g.Config()
+    assert g.parse_config(["--save_total_limit", "2"]).save_total_limit == 2
     for bad, message in [
         (["--no_such_option", "1"], "unrecognized arguments: --no_such_option 1"),
         (["--max_steps", "ten"], "argument --max_steps/--max-steps: invalid int value: 'ten'"),
+        # TRL's name before 1.6 (deprecated there): ours is TRL's current one, vllm_importance_sampling_clip_max
+        (["--vllm_importance_sampling_cap", "2"], "unrecognized arguments: --vllm_importance_sampling_cap 2"),
     ]:
         with pytest.raises(SystemExit) as e:
             g.parse_config(bad)
@@ -854,7 +857,8 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
         ({"vllm_gpu_memory_utilization": 1.5}, 1, "must be in (0, 1)"),
         ({"epsilon": 0.0}, 1, "clip range must be > 0"),
         ({"epsilon": -0.2}, 1, "clip range must be > 0"),
-        ({"vllm_importance_sampling_cap": 0.0}, 1, "--vllm_importance_sampling_cap 0.0: must be >= 1"),
+        ({"vllm_importance_sampling_clip_max": 0.0}, 1, "--vllm_importance_sampling_clip_max 0.0: must be >= 1"),
+        ({"save_total_limit": 0}, 1, "--save_total_limit: at least 1 checkpoint"),
         ({"num_eval_prompts": -1}, 1, "must be >= 0"),
         ({"loss_type": "ppo"}, 1, "--loss_type ppo: expected grpo, dr_grpo or dapo"),
         ({"scale_rewards": "batch"}, 1, "--scale_rewards batch: expected group or none"),
@@ -1020,6 +1024,15 @@ def test_stale_saves_are_removed_once_a_newer_one_is_complete(tmp_path):
         os.makedirs(tmp_path / name)
     g.remove_stale_saves(str(tmp_path), 4)  # checkpoint-4 just completed
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-6.tmp", "notes.tmp"]
+
+
+def test_save_total_limit_keeps_the_newest_complete_checkpoints(tmp_path):
+    for name in ("checkpoint-10", "checkpoint-2", "checkpoint-4", "checkpoint-12.tmp"):  # (a save under way)
+        os.makedirs(tmp_path / name)
+    g.remove_old_checkpoints(str(tmp_path), None)  # the default: all kept
+    assert len(os.listdir(tmp_path)) == 4
+    g.remove_old_checkpoints(str(tmp_path), 2)  # by step, not by name: 10 is newer than 4
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12.tmp", "checkpoint-4"]
 
 
 def test_a_truncated_metrics_line_is_dropped_on_resume(tmp_path, capsys):
@@ -1808,11 +1821,13 @@ g.main()
 def test_a_signal_stops_at_the_next_safe_point_without_the_eval(tiny_tp_model, tmp_path, function, last_step):
     """SIGTERM to one rank (as a scheduler signals the workers) stops every rank at the next safe point: right after
     the step's generation, whose samples are dropped (the resume draws them again), or after a training phase it
-    cannot cut short. Then a checkpoint of the last step trained, no eval (step 2 would have one), exit 0."""
+    cannot cut short. Then a checkpoint of the last step trained, no eval (step 2 would have one), exit 0. Saving every
+    step, the stop finds that checkpoint saved already; --save_total_limit 1 leaves it alone."""
     launcher = tmp_path / "launch_signal.py"
     launcher.write_text(SIGNAL_LAUNCHER.format(here=HERE, function=function))
     out = tmp_path / "out"
     args = E2E + TINY + ["--model", str(tiny_tp_model), "--max_steps", "4", "--eval_steps", "2"]
+    args += ["--save_steps", "1", "--save_total_limit", "1"]  # (the stop finds its checkpoint saved; one kept)
     rc, log, metrics = torchrun(args, out, script=str(launcher))
     assert rc == 0, log[-3000:]
     saved = out / f"checkpoint-{last_step + 1}"
