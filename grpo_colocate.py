@@ -1401,12 +1401,14 @@ STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop
 
 
 def request_stop(signum, frame):
-    """SIGINT / SIGTERM: the run stops at its next safe point and saves what it trained (see train); the same signal
-    again ends the process at once. Silent: when torchrun stops the others because a rank died, "lost contact" is the
-    line that matters."""
+    """SIGINT / SIGTERM: the run stops at its next safe point and saves what it trained (see train); a second SIGINT
+    (Ctrl-C twice) ends the process at once. A second SIGTERM changes nothing: schedulers may send one to every
+    process of the job and one to its launcher, which hands it on. Silent: when torchrun stops the others because a
+    rank died, "lost contact" is the line that matters."""
     global STOP_REQUESTED
     STOP_REQUESTED = True
-    signal.signal(signum, signal.SIG_DFL)
+    if signum == signal.SIGINT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def stop_requested(device) -> bool:

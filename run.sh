@@ -62,17 +62,18 @@ fi
 # Stopping: schedulers (Slurm's time limit, `docker stop`, `kill`) signal the job's launcher, this script. A signalled
 # torchrun gives its workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30), then kills them, and exits 1 even
 # when they stopped cleanly. So torchrun runs in a session of its own (a Ctrl-C or a signal to this script's process
-# group does not reach it) and this script hands SIGTERM to the workers: they save a checkpoint at the next safe
-# point and exit 0, and torchrun with them; a second signal ends them at once. Should torchrun be signalled anyway,
-# it waits 15 minutes for that save. (SIGKILL to this script leaves torchrun running: stop it with a signal.)
+# group does not reach it) and this script hands the signal to the workers (SIGHUP as SIGTERM): they save a checkpoint
+# at the next safe point and exit 0, and torchrun with them; Ctrl-C twice ends them at once. Should torchrun be
+# signalled anyway, it waits 15 minutes for that save. (SIGKILL to this script leaves torchrun running.)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-900}
 TORCHRUN=""
 stop_workers() {
   # the workers are torchrun's children; before it has started them, torchrun itself (which then exits 1)
-  [ -n "$TORCHRUN" ] && { pkill -TERM -P "$TORCHRUN" || kill -TERM "$TORCHRUN" || true; }
+  [ -n "$TORCHRUN" ] && { pkill "-$1" -P "$TORCHRUN" || kill "-$1" "$TORCHRUN" || true; }
   echo "run.sh: stop requested: the workers save a checkpoint at the next safe point" >&2 || true
 }
-trap stop_workers TERM INT HUP
+trap 'stop_workers TERM' TERM HUP
+trap 'stop_workers INT' INT
 setsid torchrun --nproc_per_node "$NPROC" grpo_colocate.py "${ARGS[@]}" "$@" &
 TORCHRUN=$!
 while kill -0 "$TORCHRUN" 2>/dev/null; do

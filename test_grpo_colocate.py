@@ -1743,6 +1743,23 @@ def steps_logged(out_dir):
         return [json.loads(line)["step"] for line in f if "loss" in line]
 
 
+def test_a_second_ctrl_c_ends_a_worker_a_second_sigterm_does_not(monkeypatch):
+    """Ctrl-C twice is the way to stop at once; SIGTERM may come twice from a scheduler (to every process of the job,
+    and to run.sh, which hands it on): the stop under way must go on."""
+    monkeypatch.setattr(g, "STOP_REQUESTED", False)
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for sig in before:
+            signal.signal(sig, g.request_stop)
+        g.request_stop(signal.SIGTERM, None)
+        assert g.STOP_REQUESTED and signal.getsignal(signal.SIGTERM) is g.request_stop
+        g.request_stop(signal.SIGINT, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL  # the next Ctrl-C ends the process
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def launch_run_sh(args, out_dir, env):
     """`bash run.sh ARGS` as a user or a scheduler starts it: the environment as it is, 2 CPU ranks."""
     bin_dir = os.path.dirname(sys.executable)  # (python and torchrun of this environment)
