@@ -837,8 +837,9 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
             )
             engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
             rank_loss = rank_loss + loss.detach() / cfg.num_iterations
+            tokens_in_loss = mask.sum()
             for name, token_sum in loss_sums.items():  # clip ratios and KL: means over the tokens in the loss
-                stats.mean(name, token_sum, mask.sum())
+                stats.mean(name, token_sum, tokens_in_loss)
             if k == len(micro_batches) - 1:  # before the update, while the weights are still good
                 check_finite(float(rank_loss), "loss", device)
             engine.step()  # DeepSpeed updates at the accumulation boundary only
