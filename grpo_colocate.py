@@ -36,6 +36,8 @@ import dataclasses
 import fcntl
 import gc
 import glob
+import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -86,7 +88,12 @@ class Config:
 
     # --- model and data
     model: str = HfArg(default="HuggingFaceTB/SmolLM2-135M-Instruct", help="HF model folder or hub id")
-    dataset: str = HfArg(default="arithmetic", help='"arithmetic" (built in) or a .jsonl file of {"prompt", "answer"}')
+    dataset_name: str = HfArg(
+        default="arithmetic",
+        help="arithmetic (built in), a hub dataset, a .jsonl/.json/.parquet/.csv file or a folder",
+    )
+    dataset_config: str | None = HfArg(default=None, help="the dataset's configuration (load_dataset's name)")
+    dataset_train_split: str = HfArg(default="train", help="the split to train on; its first rows are the eval set")
     num_eval_prompts: int = HfArg(default=128, help="held-out prompts, scored greedily, never trained on")
     eval_steps: int = HfArg(default=10, help="score the eval set every this many steps and at the end; 0 = never")
     seed: int = HfArg(default=0, help="seed of the data order, torch and vLLM sampling")
@@ -114,8 +121,10 @@ class Config:
     scale_rewards: str = HfArg(default="group", help="divide advantages by their group's std (group) or not (none)")
     num_iterations: int = HfArg(default=1, help="optimizer passes per generated batch (> 1: clipping acts)")
     mask_truncated_completions: bool = HfArg(default=False, help="leave completions cut at max length out of the loss")
-    reward_funcs: list[str] = HfArg(default_factory=lambda: ["correctness", "format"], help="names in REWARD_FUNCS")
-    reward_weights: list[float] = HfArg(default_factory=lambda: [1.0, 0.5], help="one weight per reward function")
+    reward_funcs: list[str] = HfArg(
+        default_factory=lambda: ["correctness", "format"], help="built-in names or import paths (my_rewards.accuracy)"
+    )
+    reward_weights: list[float] | None = HfArg(default=None, help="one per reward function (default 1, format 0.5)")
     # vLLM's kernels sample from a slightly different distribution than the trainer computes: reweight each token
     vllm_importance_sampling_correction: bool = HfArg(
         default=True, help="weight tokens by min(p_trainer / p_vllm, cap)"
@@ -140,10 +149,16 @@ class Config:
     save_steps: int = HfArg(default=0, help="save a resumable checkpoint every this many steps; 0 = only the end")
     save_total_limit: int | None = HfArg(default=None, help="keep the newest N checkpoints (default: all)")
     resume: str = HfArg(default="", help='"latest" (newest complete checkpoint in output_dir) or a checkpoint folder')
+    report_to: list[str] = HfArg(default_factory=lambda: ["none"], help="none, or any of tensorboard, wandb, trackio")
+    run_name: str | None = HfArg(default=None, help="the run's name in the trackers")
+    log_completions: bool = HfArg(default=False, help="every step's samples to output_dir/completions.jsonl")
+    num_completions_to_print: int = HfArg(default=4, help="of them, printed at each eval (with --log_completions)")
 
     def __post_init__(self):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.reward_weights is None:
+            self.reward_weights = [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
 
     @property
     def completions_per_rank(self) -> int:
@@ -210,101 +225,124 @@ def arithmetic_problem(rng: random.Random) -> dict:
     return {"prompt": question, "answer": str(answer)}
 
 
+def arithmetic_row(rng: random.Random) -> dict:
+    problem = arithmetic_problem(rng)
+    question = {"role": "user", "content": problem["prompt"]}
+    return {"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, question], "answer": problem["answer"]}
+
+
 class ArithmeticTask:
-    """The built-in task, unlimited: training example i is generated from (seed, i), so it is the same on every rank
-    and in every run with that seed, and it is never one of the held-out eval prompts (such a draw is redrawn)."""
+    """The built-in task, unlimited: row i is generated from (seed, i), so it is the same on every rank and in every
+    run with that seed, and it is never one of the held-out eval rows (such a draw is redrawn). Its rows are TRL's
+    conversational form: the system prompt and worked examples as `prompt` messages, the reference as `answer`."""
 
     def __init__(self, seed: int, num_eval_prompts: int):
         self.seed = seed
-        self.eval_rows = [arithmetic_problem(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
-        self.held_out = {row["prompt"] for row in self.eval_rows}
+        self.eval_rows = [arithmetic_row(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
+        self.held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
 
     def __getitem__(self, i: int) -> dict:
-        example = arithmetic_problem(random.Random(f"{self.seed}:{i}"))
+        row = arithmetic_row(random.Random(f"{self.seed}:{i}"))
         redraws = 0
-        while example["prompt"] in self.held_out:
+        while prompt_key(row["prompt"]) in self.held_out:
             redraws += 1
-            example = arithmetic_problem(random.Random(f"{self.seed}:{i}:{redraws}"))
-        return example
+            row = arithmetic_row(random.Random(f"{self.seed}:{i}:{redraws}"))
+        return row
 
 
-class JsonlDataset:
-    """The rows of a .jsonl file. The first num_eval_prompts are held out (and rows repeating them dropped); training
-    example i walks the rest, in a new seeded order each epoch."""
+def prompt_key(prompt: str | list[dict]) -> str:
+    return json.dumps(prompt, sort_keys=True)
 
-    def __init__(self, path: str, seed: int, num_eval_prompts: int):
-        rows = load_rows(path)
+
+class DatasetRows:
+    """The rows of a `datasets` Dataset. The first num_eval_prompts are held out (and rows repeating their prompts
+    dropped); training row i walks the rest, in a new seeded order each epoch."""
+
+    def __init__(self, dataset, seed: int, num_eval_prompts: int):
+        self.dataset = dataset
         self.seed = seed
-        self.eval_rows = rows[:num_eval_prompts]
-        held_out = {row["prompt"] for row in self.eval_rows}
-        self.rows = [row for row in rows[num_eval_prompts:] if row["prompt"] not in held_out]
-        if not self.rows:
-            raise ConfigError(
-                f"--dataset {path}: no rows left for training after --num_eval_prompts {num_eval_prompts}"
-            )
+        num_eval = min(num_eval_prompts, len(dataset))
+        self.eval_rows = dataset.select(range(num_eval)).to_list()
+        held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
+        prompts = dataset["prompt"]
+        self.train_indices = [i for i in range(num_eval, len(dataset)) if prompt_key(prompts[i]) not in held_out]
+        if not self.train_indices:
+            raise ConfigError(f"the dataset has no rows left for training after --num_eval_prompts {num_eval_prompts}")
         self.epoch = -1
-        self.order = []  # this epoch's permutation of the rows, drawn once per epoch
+        self.order = []  # this epoch's permutation of the training rows, drawn once per epoch
 
     def __getitem__(self, i: int) -> dict:
-        epoch, position = divmod(i, len(self.rows))
+        epoch, position = divmod(i, len(self.train_indices))
         if epoch != self.epoch:
             self.epoch = epoch
-            self.order = random.Random(f"{self.seed}:epoch{epoch}").sample(range(len(self.rows)), len(self.rows))
-        return self.rows[self.order[position]]
+            size = len(self.train_indices)
+            self.order = random.Random(f"{self.seed}:epoch{epoch}").sample(range(size), size)
+        return self.dataset[self.train_indices[self.order[position]]]
 
 
-def prompt_source(cfg: Config) -> ArithmeticTask | JsonlDataset:
-    """source[i] is training example i; source.eval_rows the held-out eval set."""
-    if cfg.dataset == "arithmetic":
+def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
+    """source[i] is training row i; source.eval_rows the held-out eval set."""
+    if cfg.dataset_name == "arithmetic":
         return ArithmeticTask(cfg.seed, cfg.num_eval_prompts)
-    return JsonlDataset(cfg.dataset, cfg.seed, cfg.num_eval_prompts)
+    dataset = load_train_split(cfg)
+    if "correctness" in cfg.reward_funcs and "answer" not in dataset.column_names:
+        raise ConfigError(
+            f"--reward_funcs correctness reads an 'answer' column; the dataset has {dataset.column_names}"
+        )
+    return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
 
 
-def load_rows(path: str) -> list[dict]:
-    """Rows {"prompt", "answer"} of a .jsonl file; an answer's text after "####" (as in GSM8K), if it has one."""
-    if not os.path.isfile(path):
-        raise ConfigError(f'--dataset {path}: no such file (expected "arithmetic" or a .jsonl file)')
+DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_train_split(cfg: Config):
+    """--dataset_name's --dataset_train_split: from a data file, a folder saved by `datasets` (save_to_disk), or what
+    load_dataset finds under the name (a hub dataset with --dataset_config, a folder of data files)."""
+    import datasets
+
+    name = cfg.dataset_name
+    split = cfg.dataset_train_split
+    saved = os.path.isfile(os.path.join(name, "state.json")) or os.path.isfile(os.path.join(name, "dataset_dict.json"))
+    file_type = DATA_FILE_TYPES.get(os.path.splitext(name)[1])
+    if os.path.isfile(name) and file_type is None:
+        raise ConfigError(f"--dataset_name {name}: a data file's name must end in one of {sorted(DATA_FILE_TYPES)}")
+    datasets.disable_progress_bars()
     try:
-        with open(path, encoding="utf-8-sig") as f:  # (-sig: a byte-order mark at the start is not part of the data)
-            lines = f.readlines()
-    except UnicodeDecodeError:
-        raise ConfigError(f"--dataset {path}: not UTF-8 text (a compressed file? decompress it first)") from None
-    rows = []
-    for line_number, line in enumerate(lines, 1):
-        where = f"--dataset {path}, line {line_number}"
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where}: not valid JSON ({e.msg}); expected one object per line") from None
-        if not isinstance(row, dict) or not {"prompt", "answer"} <= set(row):
-            found = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise ConfigError(f"--dataset {path}: rows need the fields 'prompt' and 'answer'; found {found}")
-        answer = "" if row["answer"] is None else str(row["answer"]).split("####")[-1].strip()
-        if not answer:  # a reward would compare completions with "None" or nothing
-            raise ConfigError(f"{where}: the answer is empty or null; fix or drop the row")
-        rows.append({"prompt": str(row["prompt"]), "answer": answer})
-    if not rows:
-        raise ConfigError(f"--dataset {path}: the file has no rows")
-    return rows
+        if saved:
+            dataset = datasets.load_from_disk(name)
+        elif os.path.isfile(name):
+            dataset = datasets.load_dataset(file_type, data_files={split: name}, split=split)
+        else:
+            dataset = datasets.load_dataset(name, cfg.dataset_config, split=split)
+    except Exception as e:
+        first_line = str(e).strip().split("\n")[0][:200]
+        raise ConfigError(f"--dataset_name {name}: cannot be loaded ({type(e).__name__}: {first_line})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise ConfigError(f"--dataset_train_split {split}: {name} has the splits {sorted(dataset)}")
+        dataset = dataset[split]
+    if "prompt" not in dataset.column_names:
+        raise ConfigError(f"--dataset_name {name}: no 'prompt' column (it has {dataset.column_names}); map one first")
+    if len(dataset) == 0:
+        raise ConfigError(f"--dataset_name {name}: the {split} split has no rows")
+    return dataset
 
 
 def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[dict]:
-    """This rank's prompts: distinct on every rank, and a function of the step alone (exact resumes)."""
+    """This rank's rows: distinct on every rank, and a function of the step alone (exact resumes)."""
     first = (step * world_size + RANK) * per_rank
     return [source[first + j] for j in range(per_rank)]
 
 
-def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    """The question after the system prompt and the worked examples, through the model's chat template."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
+def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
+    """A prompt through the model's chat template: plain text as one user turn, a list of messages as it is."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def encode_prompts(tokenizer, questions: list[str], max_len: int) -> tuple[list[list[int]], int]:
+def encode_prompts(tokenizer, prompts: list, max_len: int) -> tuple[list[list[int]], int]:
     """Chat-prompt token ids cut from the left to max_len, and how many were cut (counted: vLLM would refuse them)."""
-    full = [chat_prompt_ids(tokenizer, q) for q in questions]
+    full = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
     cut = sum(len(ids) > max_len for ids in full)
     return [ids[-max_len:] for ids in full], cut
 
@@ -323,55 +361,108 @@ def extract_answer(completion: str) -> str | None:
     return found[-1].replace(",", "")
 
 
-def correctness_reward(completions: list[str], answers: list[str]) -> list[float]:
-    """1 if the extracted final answer equals the reference (as numbers, if the reference is one), else 0."""
+def correctness_reward(completions: list, answer: list[str], **kwargs) -> list[float | None]:
+    """1 if the extracted final answer equals the `answer` column (as numbers, if it is one), else 0; None (cannot
+    score) where the row has no answer."""
     rewards = []
-    for completion, answer in zip(completions, answers, strict=True):
-        extracted = extract_answer(completion)
+    for completion, reference in zip(completions, answer, strict=True):
+        reference = "" if reference is None else str(reference).strip()
+        extracted = extract_answer(completion_text(completion))
+        if not reference:
+            rewards.append(None)
+            continue
         try:
-            reference = float(answer.replace(",", ""))
-            correct = extracted is not None and math.isclose(float(extracted), reference, abs_tol=1e-6)
+            correct = extracted is not None and math.isclose(float(extracted), float(reference.replace(",", "")))
         except ValueError:
-            correct = extracted is not None and extracted.strip() == answer.strip()
+            correct = extracted == reference
         rewards.append(float(correct))
     return rewards
 
 
-def format_reward(completions: list[str], answers: list[str]) -> list[float]:
+def format_reward(completions: list, **kwargs) -> list[float]:
     """1 for one <answer>NUMBER</answer> ending the reply, 0.5 for a tag elsewhere (spread for a small model)."""
     rewards = []
     for completion in completions:
-        tags = ANSWER_RE.findall(completion)
-        if len(tags) == 1 and ONLY_A_NUMBER_RE.fullmatch(tags[0]) and completion.rstrip().endswith("</answer>"):
+        text = completion_text(completion)
+        tags = ANSWER_RE.findall(text)
+        if len(tags) == 1 and ONLY_A_NUMBER_RE.fullmatch(tags[0]) and text.rstrip().endswith("</answer>"):
             rewards.append(1.0)
-        elif "<answer>" in completion:
+        elif "<answer>" in text:
             rewards.append(0.5)
         else:
             rewards.append(0.0)
     return rewards
 
 
-def brevity_reward(completions: list[str], answers: list[str]) -> list[float]:
+def brevity_reward(completions: list, **kwargs) -> list[float]:
     """1 - characters / 500, floored at 0: a task-free reward (for random-weight models in tests)."""
-    return [max(0.0, 1.0 - len(c) / 500) for c in completions]
+    return [max(0.0, 1.0 - len(completion_text(c)) / 500) for c in completions]
+
+
+def completion_text(completion: str | list[dict]) -> str:
+    """TRL hands a completion to a conversational prompt as [{"role": "assistant", "content": text}]."""
+    return completion if isinstance(completion, str) else completion[0]["content"]
 
 
 REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward, "brevity": brevity_reward}
+DEFAULT_REWARD_WEIGHTS = {"format": 0.5}  # the rest: 1.0
 
 
-def safe_rewards(fn, texts: list[str], answers: list[str]) -> tuple[list[float], list[str]]:
-    """fn's rewards, NaN where it raises or returns no finite number (a reward bug must not end the run), and a line
-    per sample that went wrong. If the batch call fails, each sample is scored alone to find the culprits."""
-    errors = [None] * len(texts)
+def reward_function(name: str):
+    """A built-in reward, or a function by its dotted import path (`my_rewards.accuracy`), found as TRL's grpo.py
+    finds one: from the working directory too."""
+    if name in REWARD_FUNCS:
+        return REWARD_FUNCS[name]
+    module_name, _, function_name = name.rpartition(".")
+    if not module_name:
+        raise ConfigError(f"--reward_funcs {name}: neither one of {sorted(REWARD_FUNCS)} nor module.function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
-        values = list(fn(texts, answers))
+        fn = getattr(importlib.import_module(module_name), function_name)
+    except Exception as e:  # not found, or the module raised while importing
+        raise ConfigError(f"--reward_funcs {name}: cannot be imported ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise ConfigError(f"--reward_funcs {name}: not a function")
+    return fn
+
+
+def reward_kwargs(r: Rollouts) -> dict[str, list]:
+    """What TRL passes a reward function, by name, one entry per completion: completions (text, or an assistant
+    message for a conversational prompt), prompts, completion_ids, and every other column of the row."""
+    completions = [
+        t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
+        for t, row in zip(r.texts, r.rows, strict=True)
+    ]
+    kwargs = {
+        "completions": completions,
+        "prompts": [row["prompt"] for row in r.rows],
+        "completion_ids": r.completions,
+    }
+    for column in r.rows[0] if r.rows else []:
+        if column != "prompt":
+            kwargs[column] = [row[column] for row in r.rows]
+    return kwargs
+
+
+def safe_rewards(fn, kwargs: dict[str, list]) -> tuple[list[float], list[str]]:
+    """fn's rewards, NaN where it returns None (it cannot score that sample) and where it raises or returns anything
+    but a finite number (a reward bug must not end the run), with a line per sample that went wrong. If the batch call
+    fails, each sample is scored alone to find the culprits."""
+    n = len(kwargs["completions"])
+    if n == 0:
+        return [], []
+    errors = [None] * n
+    try:
+        values = list(fn(**kwargs))
     except Exception:
         values = []
-    if len(values) != len(texts):
-        values = [None] * len(texts)
-        for i in range(len(texts)):
+    if len(values) != n:
+        values = [None] * n
+        for i in range(n):
+            one_sample = {name: column[i : i + 1] for name, column in kwargs.items()}
             try:
-                values[i] = fn(texts[i : i + 1], answers[i : i + 1])[0]
+                values[i] = fn(**one_sample)[0]
             except Exception as e:
                 errors[i] = f"{type(e).__name__}: {e}"
     rewards = []
@@ -381,16 +472,19 @@ def safe_rewards(fn, texts: list[str], answers: list[str]) -> tuple[list[float],
             rewards.append(float(value))
         else:
             rewards.append(math.nan)
-            problems.append(error or f"returned {value!r}")
+            if value is not None or error:
+                problems.append(error or f"returned {value!r}")
     return rewards, problems
 
 
-def score(r: Rollouts, names: list[str], weights: list[float], stats: Stats) -> torch.Tensor:
-    """The weighted total reward [B] over the functions that could score each sample (NaN where none could); each
-    function's mean over the samples it scored, and its failures, go into stats."""
-    weighted = []
-    for name, weight in zip(names, weights, strict=True):
-        values, problems = safe_rewards(REWARD_FUNCS[name], r.texts, r.answers)
+def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = ""):
+    """The weighted total reward [B] over the functions that could score each sample (NaN where none could), and
+    each function's rewards {name: [B]}; each one's mean over the samples it scored, and its failures, go into
+    stats."""
+    kwargs = reward_kwargs(r)
+    by_function = {}
+    for name, fn in reward_funcs.items():
+        values, problems = safe_rewards(fn, kwargs)
         if problems:
             say(
                 f"warning: rank {RANK}: reward {name!r} failed for {len(problems)} of {len(values)} samples (first: "
@@ -398,14 +492,14 @@ def score(r: Rollouts, names: list[str], weights: list[float], stats: Stats) -> 
             )
         values = torch.tensor(values, dtype=torch.float32)  # [B]
         scored = values[~values.isnan()]  # [scored samples]
-        stats.mean(f"rewards/{name}", scored.sum().item(), scored.numel())
-        stats.sum("rewards/failures", len(problems))
-        weighted.append(weight * values)
-    weighted = torch.stack(weighted)  # [functions, B]
+        stats.mean(f"{prefix}rewards/{name}", scored.sum().item(), scored.numel())
+        stats.sum(f"{prefix}rewards/failures", len(problems))
+        by_function[name] = values
+    weighted = torch.stack([w * v for w, v in zip(weights, by_function.values(), strict=True)])  # [functions, B]
     unscored = weighted.isnan().all(0)  # [B]
     total = weighted.nansum(0).masked_fill(unscored, math.nan)  # [B]
-    stats.mean("reward", total.nansum().item(), (~unscored).sum().item())
-    return total
+    stats.mean(f"{prefix}reward", total.nansum().item(), (~unscored).sum().item())
+    return total, by_function
 
 
 # ========================================================================================================= GRPO math
@@ -621,19 +715,19 @@ class Rollouts:
     completions: list[list[int]]  # the sampled token ids, EOS included
     vllm_logps: list[list[float]]  # vLLM's log-prob of each sampled token
     texts: list[str]  # the completion as text
-    answers: list[str]  # the prompt's reference answer
+    rows: list[dict]  # the prompt's row of the data (what the reward functions read)
     truncated: list[bool]  # cut at max_completion_length
 
 
 def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs, tokenizer) -> Rollouts:
     """vLLM's outputs, a list of G samples per prompt, as one flat list of completions; texts decoded in one batch."""
-    r = Rollouts(prompts=[], completions=[], vllm_logps=[], texts=[], answers=[], truncated=[])
+    r = Rollouts(prompts=[], completions=[], vllm_logps=[], texts=[], rows=[], truncated=[])
     for example, ids, output in zip(examples, prompt_ids, outputs, strict=True):
         for sample in output.outputs:  # the prompt's G completions, k = 0 .. G - 1
             r.prompts.append(ids)
             r.completions.append(list(sample.token_ids))
             r.vllm_logps.append(list(sample.logprobs.logprobs))
-            r.answers.append(example["answer"])
+            r.rows.append(example)
             r.truncated.append(sample.finish_reason == "length")
     if r.completions:  # (batch_decode of no sequences is not an empty list)
         r.texts = tokenizer.batch_decode(r.completions, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -867,9 +961,10 @@ def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, live, entro
 
 
 # ================================================================================================= the training loop
-def evaluate(llm, tokenizer, source, cfg: Config, tp_group, device) -> dict:
-    """Greedy accuracy and format on the held-out eval set, split over the ranks and sent to vLLM (awake) in batches of
-    one step's prompts at most, so the KV cache does not grow with the eval set."""
+def evaluate(llm, tokenizer, plan: Plan, cfg: Config, tp_group, device) -> dict:
+    """The rewards of greedy completions of the held-out eval set (eval/rewards/*), split over the ranks and sent to
+    vLLM (awake) in batches of one step's prompts at most, so the KV cache does not grow with the eval set."""
+    source = plan.source
     world = dist.get_world_size()
     rows = source.eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
     batch = cfg.completions_per_rank
@@ -881,8 +976,7 @@ def evaluate(llm, tokenizer, source, cfg: Config, tp_group, device) -> dict:
         ids, _ = encode_prompts(tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
         outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
         r = collect_rollouts(chunk, ids, outputs, tokenizer)
-        stats.mean("eval/accuracy", sum(correctness_reward(r.texts, r.answers)), len(chunk))
-        stats.mean("eval/format", sum(format_reward(r.texts, r.answers)), len(chunk))
+        score(r, plan.reward_funcs, cfg.reward_weights, stats, prefix="eval/")
     return stats.reduce(device)
 
 
@@ -963,7 +1057,7 @@ def train(cfg: Config, device: torch.device) -> None:
     )
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
     pad_id = parts.tokenizer.pad_token_id or 0
-    log_path = open_metrics_log(cfg.output_dir, plan.first_step)
+    run_log = RunLog(cfg, plan.first_step)
     warned_truncation = False
     for step in range(plan.first_step, cfg.max_steps):
         if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
@@ -975,11 +1069,11 @@ def train(cfg: Config, device: torch.device) -> None:
         metrics = {"step": step}
         with timer("eval"):
             if eval_due(cfg, step):
-                metrics.update(evaluate(parts.llm, parts.tokenizer, plan.source, cfg, parts.tp_group, device))
+                metrics.update(evaluate(parts.llm, parts.tokenizer, plan, cfg, parts.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
         examples = prompts_for_step(plan.source, step, per_rank // G, world)
-        questions = [example["prompt"] for example in examples]
-        prompt_ids, prompts_cut = encode_prompts(parts.tokenizer, questions, cfg.max_prompt_length)
+        prompts = [example["prompt"] for example in examples]
+        prompt_ids, prompts_cut = encode_prompts(parts.tokenizer, prompts, cfg.max_prompt_length)
         if prompts_cut and not warned_truncation:
             say(f"warning: rank {RANK}: {prompts_cut} prompts cut to --max_prompt_length tokens (prompts/truncated)")
             warned_truncation = True
@@ -996,7 +1090,7 @@ def train(cfg: Config, device: torch.device) -> None:
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
         with timer("reward"):
-            rewards = score(rollouts, cfg.reward_funcs, cfg.reward_weights, stats)
+            rewards, by_function = score(rollouts, plan.reward_funcs, cfg.reward_weights, stats)
             advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards)
         # ---- 4. the policy update
         try:
@@ -1006,24 +1100,28 @@ def train(cfg: Config, device: torch.device) -> None:
             last = (checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
         # ---- 5. the metrics of all ranks
-        add_rollout_stats(stats, rollouts, group_std, questions, prompts_cut)
+        add_rollout_stats(stats, rollouts, group_std, prompts, prompts_cut)
         metrics.update(stats.reduce(device))
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
         if step == plan.first_step:
             metrics.update(parts.memory)
-        log_metrics(metrics, log_path)
+        run_log.metrics(metrics)
+        if cfg.log_completions:
+            rows = completion_rows(rollouts, rewards, by_function, advantages)
+            run_log.completions(step, rows, show=eval_due(cfg, step))
         # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(parts.engine, parts.tokenizer, cfg, step + 1)
     # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
     if eval_due(cfg, 0) and not stop_requested(device):
         push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode)
-        evaluation = evaluate(parts.llm, parts.tokenizer, plan.source, cfg, parts.tp_group, device)
-        log_metrics({"step": cfg.max_steps, **evaluation}, log_path)
+        evaluation = evaluate(parts.llm, parts.tokenizer, plan, cfg, parts.tp_group, device)
+        run_log.metrics({"step": cfg.max_steps, **evaluation})
         if parts.sleep_mode:
             sleep_vllm(parts.llm)
     save_model(parts.engine.module, parts.tokenizer, os.path.join(cfg.output_dir, "final"))
     say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
+    run_log.close()
 
 
 def eval_due(cfg: Config, step: int) -> bool:
@@ -1095,7 +1193,9 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
     counts = [cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps]
     expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     cap = cfg.vllm_importance_sampling_clip_max
-    unknown_rewards = sorted(set(cfg.reward_funcs) - set(REWARD_FUNCS))
+    reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]
+    trackers = set(cfg.report_to) - {"none"}
+    missing = sorted(name for name in trackers if importlib.util.find_spec(name) is None)
     checks = [
         (tp >= 1 and world % tp == 0, f"{tp_option} must divide the number of processes ({world})"),
         (
@@ -1117,7 +1217,13 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
         (cfg.save_total_limit is None or cfg.save_total_limit >= 1, "--save_total_limit: at least 1 checkpoint"),
         (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
         (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
-        (not unknown_rewards, f"--reward_funcs {unknown_rewards}: not among {sorted(REWARD_FUNCS)}"),
+        (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
+        (
+            trackers <= {"tensorboard", "wandb", "trackio"},
+            f"--report_to {cfg.report_to}: expected none, tensorboard, wandb or trackio",
+        ),
+        (not missing, f"--report_to: the {missing} package is not installed here (pip install it)"),
+        (cfg.num_completions_to_print >= 0, "--num_completions_to_print must be >= 0"),
         (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
         (
             not (on_gpu and cfg.vllm_enable_sleep_mode and expandable),
@@ -1207,11 +1313,12 @@ def agree(check, *args):
 
 @dataclass
 class Plan:
-    """Where the run starts: its data, and the checkpoint it resumes from (if any) with the step that follows it."""
+    """The run's data and reward functions, and the checkpoint it resumes from (if any) with the step that follows."""
 
-    source: ArithmeticTask | JsonlDataset
-    resume_dir: str | None
-    first_step: int
+    source: ArithmeticTask | DatasetRows
+    reward_funcs: dict  # {name in the metrics: function}
+    resume_dir: str | None = None
+    first_step: int = 0
 
 
 def preflight(cfg: Config, world: int) -> Plan:
@@ -1279,7 +1386,14 @@ def lock_output_dir(output_dir: str, job: str) -> None:
 
 def earlier_run_files(output_dir: str) -> list[str]:
     """What a run leaves in output_dir: its metrics, checkpoints (complete or cut short) and final model."""
-    names = ["metrics.jsonl", "final", *(d for d in sorted(os.listdir(output_dir)) if d.startswith("checkpoint-"))]
+    names = [
+        "metrics.jsonl",
+        "completions.jsonl",
+        "tensorboard",
+        "wandb",
+        "final",
+        *(d for d in sorted(os.listdir(output_dir)) if d.startswith("checkpoint-")),
+    ]
     return [os.path.join(output_dir, n) for n in names if os.path.exists(os.path.join(output_dir, n))]
 
 
@@ -1296,11 +1410,11 @@ def check_model_data_and_resume(cfg: Config, world: int, job: str) -> Plan:
             f"--output_dir {cfg.output_dir}: this rank does not see what rank 0 wrote there; with several nodes, "
             "output_dir must be on a filesystem they all share (rank 0 writes the checkpoints)"
         )
-    source = prompt_source(cfg)
-    if not cfg.resume:
-        return Plan(source, None, 0)
-    resume_dir, step = find_checkpoint(cfg, world)
-    return Plan(source, resume_dir, step)
+    reward_funcs = {name.rpartition(".")[2]: reward_function(name) for name in cfg.reward_funcs}
+    plan = Plan(prompt_source(cfg), reward_funcs)
+    if cfg.resume:
+        plan.resume_dir, plan.first_step = find_checkpoint(cfg, world)
+    return plan
 
 
 # -------------------------------------------------------------------------------------- checkpoints
@@ -1484,7 +1598,7 @@ def check_finite(value: float, what: str, device) -> None:
         raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s); stopped before the update")
 
 
-def add_rollout_stats(stats: Stats, r: Rollouts, group_std, questions: list[str], prompts_truncated: int) -> None:
+def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, prompts_truncated: int) -> None:
     """The step's completion lengths, group spread and data position (a hash of its prompts) into stats."""
     lengths = [len(c) for c in r.completions]
     stats.mean("completions/mean_length", sum(lengths), len(lengths))
@@ -1495,7 +1609,7 @@ def add_rollout_stats(stats: Stats, r: Rollouts, group_std, questions: list[str]
     stats.mean("reward_std", group_std.sum().item(), len(group_std))
     stats.mean("frac_reward_zero_std", (group_std < 1e-6).sum().item(), len(group_std))
     stats.sum("prompts/truncated", prompts_truncated)
-    stats.sum("prompts/hash", zlib.crc32("\n".join(questions).encode()))
+    stats.sum("prompts/hash", zlib.crc32(prompt_key(prompts).encode()))
 
 
 def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> dict:
@@ -1519,8 +1633,9 @@ LOG_LINE = [
     ("completions/mean_length", "len {:.0f}"),
     ("sampling/logp_diff_mean", "logp_diff {:.4f}"),
     ("sampling/logp_diff_max", "max {:.4f}"),
-    ("eval/accuracy", "EVAL acc {:.3f}"),
-    ("eval/format", "fmt {:.3f}"),
+    ("eval/reward", "EVAL reward {:.3f}"),
+    ("eval/rewards/correctness", "acc {:.3f}"),
+    ("eval/rewards/format", "fmt {:.3f}"),
     ("time/generate", "gen {:.1f}s"),
     ("time/overhead", "co-loc {:.2f}s"),
     ("time/train", "train {:.1f}s"),
@@ -1528,34 +1643,108 @@ LOG_LINE = [
 ]
 
 
-def open_metrics_log(output_dir: str, start_step: int) -> str:
-    """output_dir/metrics.jsonl, keeping a resumed run's lines of the steps before start_step (rank 0 writes it)."""
-    path = os.path.join(output_dir, "metrics.jsonl")
-    if RANK != 0:
-        return path
+class RunLog:
+    """Rank 0's record of the run: a line per step on stdout, metrics.jsonl, completions.jsonl (--log_completions) and
+    the trackers of --report_to, all with the same metric names. A resumed run keeps the lines of the steps before its
+    first step, and starts a new run in each tracker."""
+
+    def __init__(self, cfg: Config, first_step: int):
+        self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        self.completions_path = os.path.join(cfg.output_dir, "completions.jsonl")
+        self.num_completions_to_print = cfg.num_completions_to_print
+        self.trackers = []
+        if RANK == 0:
+            keep_steps_before(self.metrics_path, first_step)
+            keep_steps_before(self.completions_path, first_step)
+            self.trackers = [open_tracker(name, cfg) for name in cfg.report_to if name != "none"]
+
+    def metrics(self, m: dict) -> None:
+        if RANK != 0:
+            return
+        append_jsonl(self.metrics_path, [m])
+        fields = [f"step {m['step']:>4}"] + [fmt.format(m[key]) for key, fmt in LOG_LINE if key in m]
+        print(" | ".join(fields), flush=True)
+        for tracker in self.trackers:
+            tracker.log({name: value for name, value in m.items() if name != "step"}, step=m["step"])
+
+    def completions(self, step: int, rows: list[dict], show: bool) -> None:
+        """Every rank's rows of one step into completions.jsonl (all ranks call this); printed too if `show`."""
+        everyone = [None] * dist.get_world_size() if RANK == 0 else None
+        dist.gather_object(rows, everyone, dst=0)
+        if RANK != 0:
+            return
+        rows = [{"step": step, **row} for rank_rows in everyone for row in rank_rows]
+        append_jsonl(self.completions_path, rows)
+        for row in rows[: self.num_completions_to_print if show else 0]:
+            prompt = " ".join(row["prompt"].split())[-150:]
+            completion = " ".join(row["completion"].split())[:300]
+            say(f"  reward {row['reward']:.2f} | advantage {row['advantage']:+.2f} | ...{prompt} -> {completion}")
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.finish()
+
+
+def completion_rows(r: Rollouts, rewards, by_function: dict, advantages) -> list[dict]:
+    """This rank's samples of a step as rows for completions.jsonl: the prompt's last message, the completion, its
+    rewards and advantage."""
+    rows = []
+    for i, (row, text) in enumerate(zip(r.rows, r.texts, strict=True)):
+        prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
+        record = {"prompt": prompt, "completion": text, "reward": rewards[i].item(), "advantage": advantages[i].item()}
+        for name, values in by_function.items():
+            record[f"rewards/{name}"] = values[i].item()
+        rows.append(record)
+    return rows
+
+
+class TensorBoardRun:
+    """TensorBoard event files in output_dir/tensorboard, behind the two calls of a wandb run."""
+
+    def __init__(self, log_dir: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir)
+
+    def log(self, metrics: dict, step: int) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def finish(self) -> None:
+        self.writer.close()
+
+
+def open_tracker(name: str, cfg: Config):
+    """A new run in one tracker of --report_to, with log(metrics, step=) and finish(). wandb and trackio take their
+    project from WANDB_PROJECT / TRACKIO_PROJECT (default grpo-colocate); WANDB_MODE=offline keeps wandb local."""
+    if name == "tensorboard":
+        return TensorBoardRun(os.path.join(cfg.output_dir, "tensorboard"))
+    tracker = importlib.import_module(name)  # wandb or trackio: trackio copies wandb's API
+    project = os.environ.get(f"{name.upper()}_PROJECT", "grpo-colocate")
+    where = {"dir": cfg.output_dir} if name == "wandb" else {}  # (trackio: TRACKIO_DIR)
+    return tracker.init(project=project, name=cfg.run_name, config=dataclasses.asdict(cfg), **where)
+
+
+def keep_steps_before(path: str, first_step: int) -> None:
+    """Keep a resumed run's lines of the steps before first_step in a .jsonl log, or start it empty."""
     kept = []
-    if start_step and os.path.exists(path):
+    if first_step and os.path.exists(path):
         with open(path) as f:
             lines = f.readlines()
         for line in lines:
             try:
-                if json.loads(line)["step"] < start_step:
+                if json.loads(line)["step"] < first_step:
                     kept.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):  # cut short by a crash mid-write
                 say(f"warning: {path}: dropped a line that is not a complete record: {line[:80]!r}")
     with open(path, "w") as f:
         f.writelines(kept)
-    return path
 
 
-def log_metrics(m: dict, path: str) -> None:
-    """One json line in output_dir/metrics.jsonl and one human line, on rank 0."""
-    if RANK != 0:
-        return
+def append_jsonl(path: str, records: list[dict]) -> None:
     with open(path, "a") as f:
-        f.write(json.dumps(m) + "\n")
-    fields = [f"step {m['step']:>4}"] + [fmt.format(m[key]) for key, fmt in LOG_LINE if key in m]
-    print(" | ".join(fields), flush=True)
+        f.writelines(json.dumps(record) + "\n" for record in records)
 
 
 # --------------------------------------------------------------------------------------------- main
