@@ -267,7 +267,9 @@ class DatasetRows:
         prompts = dataset["prompt"]
         self.train_indices = [i for i in range(num_eval, len(dataset)) if prompt_key(prompts[i]) not in held_out]
         if not self.train_indices:
-            raise ConfigError(f"the dataset has no rows left for training after --num_eval_prompts {num_eval_prompts}")
+            raise ConfigError(
+                f"--dataset_name: no rows left for training after the {num_eval} eval rows (--num_eval_prompts)"
+            )
         self.epoch = -1
         self.order = []  # this epoch's permutation of the training rows, drawn once per epoch
 

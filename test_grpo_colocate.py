@@ -223,10 +223,15 @@ def test_rewards():
     answers = ["7", "7", "7", "7", "7", "1234"]
     assert g.correctness_reward(comps, answers) == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     assert g.correctness_reward(["<answer>x</answer>", "<answer>7</answer>"], ["yes", "yes"]) == [0.0, 0.0]
-    assert g.format_reward(comps, answers) == [1.0, 0.0, 1.0, 0.5, 0.0, 1.0]
+    assert g.correctness_reward(["<answer>7</answer>"] * 3, [None, " ", "7"]) == [None, None, 1.0]  # cannot score
+    assert g.format_reward(comps) == [1.0, 0.0, 1.0, 0.5, 0.0, 1.0]
+    # a conversational prompt's completions come as TRL hands them: one assistant message each
+    chat = [[{"role": "assistant", "content": c}] for c in comps]
+    assert g.correctness_reward(chat, answer=answers) == g.correctness_reward(comps, answers)
+    assert g.format_reward(completions=chat, prompts=[], answer=answers) == g.format_reward(comps)
     assert g.extract_answer("a 3 then <answer> -5 </answer>") == "-5"
     assert g.extract_answer("no number") is None
-    assert g.brevity_reward(["", "x" * 250, "x" * 900], ["", "", ""]) == [1.0, 0.5, 0.0]
+    assert g.brevity_reward(["", "x" * 250, "x" * 900]) == [1.0, 0.5, 0.0]
 
 
 def test_arithmetic_problems_are_exact_and_seeded():
@@ -244,15 +249,21 @@ def test_arithmetic_problems_are_exact_and_seeded():
         else:
             assert "gives away" in q and a == x - y >= 0
         assert g.correctness_reward([f"<answer>{a}</answer>"], [p["answer"]]) == [1.0]
-    # pinned: the order of the generator's random calls fixes every problem of every published run
-    assert g.prompt_source(g.Config())[0] == {
-        "prompt": "Jo has 10 books, buys 9 more and then gives away 18. How many books does Jo have now?",
-        "answer": "1",
+    # pinned: the order of the generator's random calls fixes every problem of every published run; the rows are
+    # TRL's conversational form, the question after the system prompt and the worked examples
+    row = g.prompt_source(g.Config())[0]
+    assert row["answer"] == "1" and row["prompt"][0] == {"role": "system", "content": g.SYSTEM_PROMPT}
+    assert row["prompt"][1:-1] == g.FEW_SHOT and row["prompt"][-1] == {
+        "role": "user",
+        "content": "Jo has 10 books, buys 9 more and then gives away 18. How many books does Jo have now?",
     }
-    assert g.prompt_source(g.Config()).eval_rows[0] == {
-        "prompt": "Jo has 3 cards and buys 5 more. How many cards does Jo have now?",
-        "answer": "8",
-    }
+    row = g.prompt_source(g.Config()).eval_rows[0]
+    assert row["answer"] == "8"
+    assert row["prompt"][-1]["content"] == "Jo has 3 cards and buys 5 more. How many cards does Jo have now?"
+
+
+def question(row):
+    return row["prompt"][-1]["content"]
 
 
 def test_prompt_source_distinct_ranks_steps_and_reproducible(monkeypatch):
@@ -265,39 +276,144 @@ def test_prompt_source_distinct_ranks_steps_and_reproducible(monkeypatch):
             assert (
                 batch == g.prompts_for_step(g.prompt_source(cfg), step, 2, 4) and len(batch) == 2
             )  # f(seed, step, rank)
-    assert len({src[i]["prompt"] for i in range(24)}) > 20  # distinct problems (a few collisions by chance)
+    assert len({question(src[i]) for i in range(24)}) > 20  # distinct problems (a few collisions by chance)
     assert g.prompt_source(g.Config(seed=1, num_eval_prompts=8))[0] != src[0]
     assert len(src.eval_rows) == 8 and src.eval_rows == g.prompt_source(g.Config(seed=5, num_eval_prompts=8)).eval_rows
 
 
+def write_dataset(path, rows):
+    """rows written by `datasets` itself: .parquet / .jsonl / .csv by extension, else a save_to_disk folder with one
+    train split."""
+    from datasets import Dataset, DatasetDict
+
+    dataset = Dataset.from_list(rows)
+    if str(path).endswith(".parquet"):
+        dataset.to_parquet(str(path))
+    elif str(path).endswith(".jsonl"):
+        dataset.to_json(str(path), lines=True)
+    elif str(path).endswith(".csv"):
+        dataset.to_csv(str(path), index=False)
+    else:
+        DatasetDict({"train": dataset}).save_to_disk(str(path))
+    return str(path)
+
+
 def test_eval_prompts_never_in_the_training_stream(tmp_path):
     src = g.prompt_source(g.Config())  # 128 eval prompts
-    held_out = {r["prompt"] for r in src.eval_rows}
+    held_out = {question(r) for r in src.eval_rows}
     raw = [g.arithmetic_problem(random.Random(f"0:{i}"))["prompt"] for i in range(4000)]
-    assert (
-        sum(p in held_out for p in raw) > 10
-    )  # the raw draws do repeat eval prompts ("What is a + b?" has few variants)
-    stream = [src[i]["prompt"] for i in range(4000)]
+    # the raw draws do repeat eval prompts ("What is a + b?" has few variants)
+    assert sum(p in held_out for p in raw) > 10
+    stream = [question(src[i]) for i in range(4000)]
     assert not held_out & set(stream)
     # only those were redrawn
     assert sum(a == b for a, b in zip(raw, stream, strict=True)) == sum(p not in held_out for p in raw)
-    path = tmp_path / "d.jsonl"  # a file: training rows that repeat an eval row are dropped
-    path.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in ["a", "b", "c", "a", "d", "b"]))
-    src = g.prompt_source(g.Config(dataset=str(path), num_eval_prompts=2))
+    # a dataset: training rows that repeat an eval row's prompt are dropped
+    rows = [{"prompt": p, "answer": "1"} for p in ["a", "b", "c", "a", "d", "b"]]
+    src = g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "d.parquet", rows), num_eval_prompts=2))
     assert sorted(src[i]["prompt"] for i in range(2)) == ["c", "d"]
 
 
-def test_jsonl_dataset_one_order_per_epoch(tmp_path, monkeypatch):
-    path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": f"work #### {i}"}) for i in range(10)) + "\n")
-    src = g.prompt_source(g.Config(dataset=str(path), num_eval_prompts=3))
-    assert src.eval_rows == [{"prompt": f"q{i}", "answer": str(i)} for i in range(3)]
-    sample, calls = random.Random.sample, []
-    monkeypatch.setattr(random.Random, "sample", lambda self, *a: calls.append(1) or sample(self, *a))
-    epochs = [sorted(src[e * 7 + i]["prompt"] for i in range(7)) for e in range(3)]
-    assert epochs == [sorted(f"q{i}" for i in range(3, 10))] * 3  # each training row once per epoch
-    assert len(calls) == 3  # one permutation per epoch, not one per example (O(rows) work per prompt)
-    assert [src[i]["prompt"] for i in range(7)] != [src[i]["prompt"] for i in range(7, 14)]  # a new order each epoch
+def question_text(row):
+    return row["prompt"]
+
+
+@pytest.mark.parametrize("kind", ["d.parquet", "d.jsonl", "d.csv", "saved_folder"])
+def test_datasets_of_every_kind_give_the_same_rows_one_order_per_epoch(tmp_path, monkeypatch, kind):
+    rows = [{"prompt": f"q{i}", "answer": f"a{i}", "level": i % 3} for i in range(10)]  # (csv: "1" would be 1)
+    src = g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / kind, rows), num_eval_prompts=3))
+    assert src.eval_rows == rows[:3]  # every column kept: the reward functions get them by name
+    sample = random.Random.sample
+    calls = []
+
+    def counted_sample(self, *args):
+        calls.append(1)
+        return sample(self, *args)
+
+    monkeypatch.setattr(random.Random, "sample", counted_sample)
+    epochs = [[src[e * 7 + i] for i in range(7)] for e in range(3)]
+    for epoch in epochs:  # each training row once per epoch
+        assert sorted(epoch, key=question_text) == rows[3:]
+    assert len(calls) == 3  # one permutation per epoch, not one per row
+    assert epochs[0] != epochs[1]  # a new order each epoch
+    # the same seed gives the same order whatever the file type (an exact resume reads the same rows)
+    again = g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "again.parquet", rows), num_eval_prompts=3))
+    assert [again[i] for i in range(14)] == epochs[0] + epochs[1]
+
+
+def test_conversational_prompts_go_through_the_chat_template_as_they_are(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    other = [{"role": "user", "content": "What is 1 + 1?"}]
+    path = write_dataset(tmp_path / "chat.jsonl", [{"prompt": chat, "answer": "5"}, {"prompt": other, "answer": "2"}])
+    row = g.prompt_source(g.Config(dataset_name=path, num_eval_prompts=1)).eval_rows[0]
+    assert row["prompt"] == chat
+    expected = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert g.chat_prompt_ids(tok, row["prompt"]) == list(expected)
+    # plain text is one user turn
+    assert g.chat_prompt_ids(tok, "What is 2 + 3?") == g.chat_prompt_ids(
+        tok, [{"role": "user", "content": "What is 2 + 3?"}]
+    )
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("missing", "cannot be loaded \\(FileNotFoundError"),
+        ("no_prompt", "no 'prompt' column \\(it has \\['question', 'answer'\\]\\); map one first"),
+        ("empty", "the train split has no rows"),
+        ("not_parquet", "cannot be loaded \\("),
+        ("data.txt", "a data file's name must end in one of"),
+        ("split", "--dataset_train_split validation: .* has the splits \\['train'\\]"),
+        ("no_answer", "--reward_funcs correctness reads an 'answer' column; the dataset has \\['prompt'\\]"),
+        ("all_held_out", "--dataset_name: no rows left for training after the 5 eval rows \\(--num_eval_prompts\\)"),
+    ],
+)
+def test_dataset_errors(tmp_path, case, message):
+    path = tmp_path / "data.jsonl"
+    options = {}
+    if case == "no_prompt":
+        write_dataset(path, [{"question": "a", "answer": "1"}])
+    elif case == "empty":
+        path = tmp_path / "data.parquet"
+        from datasets import Dataset
+
+        Dataset.from_dict({"prompt": [], "answer": []}).to_parquet(str(path))
+    elif case == "not_parquet":
+        path = tmp_path / "data.parquet"
+        path.write_bytes(b"\x1f\x8b\x08\x00 not parquet")
+    elif case == "data.txt":
+        path = tmp_path / "data.txt"
+        path.write_text("a")
+    elif case == "split":
+        path = write_dataset(tmp_path / "folder", [{"prompt": "a", "answer": "1"}])
+        options = {"dataset_train_split": "validation"}
+    elif case == "no_answer":
+        write_dataset(path, [{"prompt": "a"}])
+    elif case == "all_held_out":
+        write_dataset(path, [{"prompt": "a", "answer": "1"}] * 5)
+    with pytest.raises(g.ConfigError, match=message):
+        g.prompt_source(g.Config(dataset_name=str(path), **options))
+
+
+def test_a_hub_dataset_is_the_same_load_dataset_call(monkeypatch):
+    """No hub here: offline, a hub name fails in load_dataset with one line naming it."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(g.ConfigError, match="--dataset_name openai/gsm8k: cannot be loaded \\("):
+        g.prompt_source(g.Config(dataset_name="openai/gsm8k", dataset_config="main"))
+    calls = []
+
+    def fake_load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.Dataset.from_list([{"prompt": f"q{i}", "answer": "1"} for i in range(4)])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    g.prompt_source(g.Config(dataset_name="openai/gsm8k", dataset_config="main", num_eval_prompts=1))
+    assert calls == [(("openai/gsm8k", "main"), {"split": "train"})]
 
 
 def test_chat_prompt_is_cut_from_the_left():
@@ -319,34 +435,92 @@ def test_long_prompts_are_cut_and_counted():
     assert ids[1][-6:] == ids[0][-6:]  # the end (question tail + assistant header) survives
 
 
-def test_a_failing_reward_is_left_out_and_counted(monkeypatch, capsys):
-    def picky(completions, answers):  # raises on one sample, NaN on another, None on a third
+def rollouts(texts, rows, completions=None):
+    completions = completions or [[1]] * len(texts)
+    return g.Rollouts([[0]] * len(texts), completions, [], texts, rows, [False] * len(texts))
+
+
+def test_reward_functions_get_what_trl_gives_them():
+    """TRL's calling convention: keyword arguments, completions as text for plain prompts and as one assistant message
+    for conversational ones, prompts, completion_ids, and every other column of the row by its name."""
+    seen = {}
+
+    def spy(completions, prompts, completion_ids, solution, level, **kwargs):
+        seen.update(completions=completions, prompts=prompts, completion_ids=completion_ids, solution=solution)
+        seen.update(level=level, extra=sorted(kwargs))
+        return [
+            float(s == completion_text)
+            for s, completion_text in zip(solution, map(g.completion_text, completions), strict=True)
+        ]
+
+    chat = [{"role": "user", "content": "q"}]
+    rows = [{"prompt": "p", "solution": "a", "level": 1}, {"prompt": chat, "solution": "b", "level": 2}]
+    r = rollouts(["a", "x"], rows, completions=[[5, 6], [7]])
+    total, by_function = g.score(r, {"spy": spy}, [2.0], g.Stats())
+    assert seen == {
+        "completions": ["a", [{"role": "assistant", "content": "x"}]],
+        "prompts": ["p", chat],
+        "completion_ids": [[5, 6], [7]],
+        "solution": ["a", "b"],
+        "level": [1, 2],
+        "extra": [],
+    }
+    assert total.tolist() == [2.0, 0.0] and by_function["spy"].tolist() == [1.0, 0.0]
+
+
+def test_reward_funcs_by_name_or_import_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # TRL's grpo.py imports from the working directory
+    (tmp_path / "my_rewards.py").write_text(
+        "def accuracy(completions, **kwargs):\n    return [1.0] * len(completions)\nX = 3\n"
+    )
+    assert g.reward_function("format") is g.format_reward
+    assert g.reward_function("my_rewards.accuracy")(["a", "b"]) == [1.0, 1.0]
+    for name, message in [
+        ("nope", "--reward_funcs nope: neither one of \\['brevity', 'correctness', 'format'\\] nor module.function"),
+        ("no_such_module.fn", "--reward_funcs no_such_module.fn: cannot be imported \\(ModuleNotFoundError"),
+        ("my_rewards.missing", "--reward_funcs my_rewards.missing: cannot be imported \\(AttributeError"),
+        ("my_rewards.X", "--reward_funcs my_rewards.X: not a function"),
+    ]:
+        with pytest.raises(g.ConfigError, match=message):
+            g.reward_function(name)
+    # weights: 1 each by default, the built-in format reward 0.5
+    assert g.Config().reward_weights == [1.0, 0.5]
+    assert g.Config(reward_funcs=["my_rewards.accuracy", "format"]).reward_weights == [1.0, 0.5]
+    assert g.Config(reward_funcs=["brevity"], reward_weights=[3.0]).reward_weights == [3.0]
+
+
+def test_a_failing_reward_is_left_out_and_counted(capsys):
+    def picky(completions, answer, **kwargs):  # raises on one sample, NaN on another, a string on a third
         if "boom" in completions:
             raise ValueError("cannot parse")
-        return [float("nan") if c == "nan" else None if c == "none" else 1.0 for c in completions]
+        return [
+            float("nan") if c == "nan" else "?" if c == "str" else None if c == "none" else 1.0 for c in completions
+        ]
 
-    values, problems = g.safe_rewards(picky, ["ok", "boom", "nan", "none", "ok"], ["1"] * 5)
-    assert values[0] == values[4] == 1.0 and all(math.isnan(v) for v in values[1:4])
-    assert len(problems) == 3 and "ValueError: cannot parse" in problems[0]
+    texts = ["ok", "boom", "nan", "str", "none", "ok"]
+    values, problems = g.safe_rewards(picky, {"completions": texts, "answer": ["1"] * 6})
+    assert values[0] == values[5] == 1.0 and all(math.isnan(v) for v in values[1:5])
+    # None is TRL's "cannot score this sample": left out, not a failure
+    assert len(problems) == 3 and "ValueError: cannot parse" in problems[0] and "returned '?'" in problems[2]
     # a batch call returning the wrong number of rewards falls back to scoring one sample at a time;
     # numpy numbers count
-    assert g.safe_rewards(lambda c, a: [1.0], ["x", "y"], ["1", "2"]) == ([1.0, 1.0], [])
+    assert g.safe_rewards(lambda completions: [1.0], {"completions": ["x", "y"]}) == ([1.0, 1.0], [])
     import numpy as np
 
-    assert g.safe_rewards(lambda c, a: [np.float32(0.5), np.int64(1), True], ["x", "y", "z"], ["1"] * 3) == (
-        [0.5, 1.0, 1.0],
-        [],
-    )
-    monkeypatch.setitem(g.REWARD_FUNCS, "picky", picky)
-    r = g.Rollouts([], [], [], ["ok", "boom", "<answer>1</answer>"], ["1", "1", "1"], [])
+    def numpy_values(completions):
+        return [np.float32(0.5), np.int64(1), True]
+
+    assert g.safe_rewards(numpy_values, {"completions": ["x", "y", "z"]}) == ([0.5, 1.0, 1.0], [])
+    assert g.safe_rewards(picky, {"completions": [], "answer": []}) == ([], [])  # (a rank without eval rows)
+    r = rollouts(["ok", "boom", "<answer>1</answer>"], [{"prompt": "p", "answer": "1"}] * 3)
     stats = g.Stats()
-    total = g.score(r, ["picky", "correctness"], [1.0, 2.0], stats)
+    total, _ = g.score(r, {"picky": picky, "correctness": g.correctness_reward}, [1.0, 2.0], stats)
     assert stats.totals["rewards/failures"] == 1
     assert total.tolist() == [1.0, 0.0, 3.0]  # "boom": correctness still scores it
     assert stats.totals["rewards/picky"] == 2.0 and stats.counts["rewards/picky"] == 2  # a mean over the scored
     assert stats.totals["reward"] == 4.0 and stats.counts["reward"] == 3
     stats = g.Stats()
-    total = g.score(r, ["picky"], [1.0], stats)
+    total, _ = g.score(r, {"picky": picky}, [1.0], stats)
     # none could: NaN, left out
     assert stats.totals["rewards/failures"] == 1 and math.isnan(total[1]) and total[0] == 1.0
     assert stats.counts["reward"] == 2
@@ -433,12 +607,12 @@ def test_step_split_by_hand(tmp_path):
             **row(0, 9.0, 1.0, 1.0, 1.0, 9.0, 0.5),
             "memory/vllm_awake_gib": 5.0,
             "memory/vllm_asleep_gib": 0.5,
-            "eval/accuracy": 0.25,
+            "eval/rewards/correctness": 0.25,
         },
         row(1, 1.0, 0.3, 0.0, 0.15, 1.6, 0.1),
         row(2, 2.0, 0.0, 0.5, 0.0, 1.5, 0.2),
         row(3, 1.5, 0.1, 0.1, 0.1, 2.2, 0.3),
-        {"step": 4, "eval/accuracy": 0.5},
+        {"step": 4, "eval/rewards/correctness": 0.5},
     ]
     s = split(rows)
     # steps 1-3: step 3.05, 4.0, 4.0 s; gen 1.0, 2.0, 1.5; co-loc 0.45, 0.5, 0.3 (the sum of the phases' medians: 0.3)
@@ -662,7 +836,8 @@ def _eval_worker(rank, world, port, tp, num_rows, q):
     cfg = g.Config(per_device_train_batch_size=2, gradient_accumulation_steps=1, num_generations=2)
     cfg.vllm_tensor_parallel_size = tp
     engine = EchoEngine()
-    metrics = g.evaluate(engine, CharTokenizer(), SimpleNamespace(eval_rows=rows), cfg, group, torch.device("cpu"))
+    plan = g.Plan(SimpleNamespace(eval_rows=rows), {"correctness": g.correctness_reward, "format": g.format_reward})
+    metrics = g.evaluate(engine, CharTokenizer(), plan, cfg, group, torch.device("cpu"))
     q.put((rank, (metrics, engine.batches)))
     dist.barrier()
     dist.destroy_process_group()
@@ -682,7 +857,12 @@ def test_eval_in_batches_of_one_step_with_fewer_prompts_than_ranks(tp, num_rows,
     eval set's size), works when some ranks have no eval rows, and scores every row once."""
     for rank, (metrics, engine_batches) in run_workers(_eval_worker, 2, tp, num_rows).items():
         assert engine_batches == batches[rank]
-        assert metrics == {"eval/accuracy": pytest.approx(len(range(0, num_rows, 2)) / num_rows), "eval/format": 1.0}
+        assert metrics == {
+            "eval/rewards/correctness": pytest.approx(len(range(0, num_rows, 2)) / num_rows),
+            "eval/rewards/format": 1.0,
+            "eval/rewards/failures": 0.0,
+            "eval/reward": pytest.approx(len(range(0, num_rows, 2)) / num_rows + 0.5),
+        }
 
 
 def test_kv_cache_holds_one_step_batch_by_hand(tmp_path):
@@ -818,7 +998,7 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
     outputs = [SimpleNamespace(outputs=[completion(t, k) for k, t in enumerate(pair)]) for pair in texts]
     r = g.collect_rollouts([{"answer": "7"}, {"answer": "12"}], [[1, 2], [3]], outputs, tok)
     assert r.texts == [t for pair in texts for t in pair]
-    assert r.prompts == [[1, 2], [1, 2], [3], [3]] and r.answers == ["7", "7", "12", "12"]
+    assert r.prompts == [[1, 2], [1, 2], [3], [3]] and [row["answer"] for row in r.rows] == ["7", "7", "12", "12"]
     assert r.truncated == [False, True, False, True]
     assert [len(c) for c in r.completions] == [len(v) for v in r.vllm_logps]
     assert r.vllm_logps[1] == pytest.approx([-1.1 - 0.1 * j for j in range(len(r.completions[1]))])
@@ -863,10 +1043,16 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
         ({"loss_type": "ppo"}, 1, "--loss_type ppo: expected grpo, dr_grpo or dapo"),
         ({"scale_rewards": "batch"}, 1, "--scale_rewards batch: expected group or none"),
         (
-            {"reward_funcs": ["correctness", "nope"], "reward_weights": [1.0, 1.0]},
+            {"reward_funcs": ["a.accuracy", "b.accuracy"]},
             1,
-            "--reward_funcs ['nope']: not among ['brevity', 'correctness', 'format']",
+            "--reward_funcs ['a.accuracy', 'b.accuracy']: two share a name",
         ),
+        (
+            {"report_to": ["tensorboard", "mlflow"]},
+            1,
+            "--report_to ['tensorboard', 'mlflow']: expected none, tensorboard",
+        ),
+        ({"num_completions_to_print": -1}, 1, "--num_completions_to_print must be >= 0"),
         ({"reward_weights": [1.0]}, 1, "one weight per name"),
         ({"temperature": 0.0}, 1, "--temperature 0.0"),
     ],
@@ -934,38 +1120,6 @@ def test_validate_model(tmp_path):
     (tmp_path / "bert" / "model.safetensors").write_bytes(b"")
     with pytest.raises(g.ConfigError, match="BertForMaskedLM.*: not a causal LM"):
         g.validate_model(g.Config(), str(tmp_path / "bert"))
-
-
-@pytest.mark.parametrize(
-    "content,message",
-    [
-        (None, "no such file"),
-        ("", "has no rows"),
-        ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": 2\n', "line 2: not valid JSON"),
-        (
-            '{"question": "a", "answer": "1"}\n',
-            "rows need the fields 'prompt' and 'answer'; found \\['answer', 'question'\\]",
-        ),
-        ('["a", "1"]\n', "rows need the fields"),
-        ('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": null}\n', "line 2: the answer is empty or null"),
-        ('{"prompt": "a", "answer": "work ####  "}\n', "line 1: the answer is empty or null"),
-        (b"\x1f\x8b\x08\x00compressed", "not UTF-8 text \\(a compressed file\\? decompress it first\\)"),
-    ],
-)
-def test_dataset_errors(tmp_path, content, message):
-    path = tmp_path / "data.jsonl"
-    if isinstance(content, bytes):
-        path.write_bytes(content)
-    elif content is not None:
-        path.write_text(content)
-    with pytest.raises(g.ConfigError, match=message):
-        g.load_rows(str(path))
-
-
-def test_dataset_with_a_byte_order_mark(tmp_path):
-    path = tmp_path / "data.jsonl"  # as some Windows editors save UTF-8
-    path.write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "é", "answer": 2}\n'.encode("utf-8-sig"))
-    assert g.load_rows(str(path)) == [{"prompt": "a", "answer": "1"}, {"prompt": "é", "answer": "2"}]
 
 
 def fake_checkpoint(folder, step, world, prefix=""):
@@ -1038,7 +1192,8 @@ def test_save_total_limit_keeps_the_newest_complete_checkpoints(tmp_path):
 def test_a_truncated_metrics_line_is_dropped_on_resume(tmp_path, capsys):
     lines = [json.dumps({"step": 0, "loss": 1.0}), json.dumps({"step": 1, "loss": 0.5}), '{"step": 2, "lo']
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines))  # a crash mid-write
-    path = g.open_metrics_log(str(tmp_path), start_step=2)
+    path = tmp_path / "metrics.jsonl"
+    g.keep_steps_before(str(path), first_step=2)
     with open(path) as f:
         assert f.read().splitlines() == lines[:2]
     assert "dropped a line that is not a complete record" in capsys.readouterr().out
@@ -1050,7 +1205,7 @@ def _agree_worker(rank, world, port, q):
 
     def check():  # only rank 1 finds a problem (a file it cannot read, a full disk...)
         if rank == 1:
-            raise g.ConfigError("--dataset x.jsonl: no such file")
+            raise g.ConfigError("--dataset_name x.jsonl: no such file")
         return "fine"
 
     def crash():  # any exception, not only ours: e.g. the default model's build failing on one machine
@@ -1067,13 +1222,16 @@ def _agree_worker(rank, world, port, q):
         out.append("passed")
     except g.NonFiniteError as e:
         out.append(str(e))
+
     # step metrics over both ranks, from what the loop's producers put into Stats: rewards over the samples that could
     # be scored, clip ratios and KL over the tokens in the loss (not over masked, truncated ones), the sync check over
     # all sampled tokens, loss and grad_norm as the ranks' mean
-    g.REWARD_FUNCS["correctness"] = lambda completions, answers: [1.0, None]  # the second sample cannot be scored
-    r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], ["1", "1"], [True, False])
+    def correctness(completions, **kwargs):  # the second sample cannot be scored
+        return [1.0, None]
+
+    r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], [{"prompt": "p"}] * 2, [True, False])
     stats = g.Stats()
-    g.score(r, ["correctness"], [1.0], stats)
+    g.score(r, {"correctness": correctness}, [1.0], stats)
     g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"], 0)
     live = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
     mask = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # the 3-token completion was truncated and is masked
@@ -1094,7 +1252,7 @@ def _agree_worker(rank, world, port, q):
 def test_every_rank_stops_when_one_fails():
     for rank, out in run_workers(_agree_worker, 2).items():
         assert out[:4] == [
-            "--dataset x.jsonl: no such file (on rank 1)",
+            "--dataset_name x.jsonl: no such file (on rank 1)",
             "OSError: [Errno 28] No space left on device (on rank 1)",
             rank * 10,
             "non-finite loss on 1 rank(s); stopped before the update",
@@ -1106,8 +1264,8 @@ def test_every_rank_stops_when_one_fails():
             m["kl"] == 1.0 and m["clip_ratio/low"] == 0.5 and m["sampling/logp_diff_mean"] == pytest.approx(0.1)
         )  # 2/2 and 1/2 kept; 0.8/8
         assert (
-            m["reward"] == m["rewards/correctness"] == 1.0 and m["rewards/failures"] == 2
-        )  # the unscored samples are not averaged in
+            m["reward"] == m["rewards/correctness"] == 1.0 and m["rewards/failures"] == 0
+        )  # the unscored samples (None: not failures) are not averaged in
         assert (
             m["completions/total_tokens"] == 8
             and m["completions/max_length"] == 3
@@ -1399,13 +1557,13 @@ def read_jsonl(path):
         return [json.loads(line) for line in f]
 
 
-def torchrun(args, out_dir, nproc=2, timeout=900, script=None, env=None):
+def torchrun(args, out_dir, nproc=2, timeout=900, script=None, env=None, cwd=HERE):
     proc = subprocess.run(
         launch_cmd(args, out_dir, nproc, script),
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=HERE,
+        cwd=cwd,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     mpath = os.path.join(out_dir, "metrics.jsonl")
@@ -1480,7 +1638,7 @@ def assert_trained_and_in_sync(metrics, base_model, final_dir, steps=3):
         # agree to rounding (a stale engine is off by ~0.1-1 nats at this learning rate)
         assert m["sampling/logp_diff_mean"] < 1e-3 and m["sampling/logp_diff_max"] < 2e-2, m
         assert m["frac_reward_zero_std"] < 1 and m["grad_norm"] > 0
-    assert "eval/accuracy" in metrics[-1] and metrics[-1]["step"] == steps
+    assert "eval/reward" in metrics[-1] and metrics[-1]["step"] == steps
     before, after = load_weights(base_model), load_weights(final_dir)
     changed = [k for k in after if not torch.equal(before[k].float(), after[k].float())]
     assert len(changed) > len(after) // 2, f"only {len(changed)} of {len(after)} tensors changed"
@@ -1678,7 +1836,10 @@ def test_bad_input_fails_cleanly_on_every_rank(tmp_path):
             ["--vllm_tensor_parallel_size", "3"],
             "error: --vllm_tensor_parallel_size 3 must divide the number of processes (2)\n",
         ),
-        (["--dataset", str(data), "--model", smollm2_path()], f"error: --dataset {data}, line 2: not valid JSON"),
+        (
+            ["--dataset_name", str(data), "--model", smollm2_path()],
+            f"error: --dataset_name {data}: cannot be loaded (",
+        ),
     ]:
         rc, log, _ = torchrun(args, tmp_path / "out", timeout=300)
         assert rc != 0 and "exitcode  : 2" in log, log[-3000:]  # torchrun exits 1 and names our exit code
@@ -1805,7 +1966,7 @@ def test_a_signal_to_the_launcher_saves_and_resume_matches_an_uninterrupted_run(
             "rewards/correctness",
             "completions/mean_length",
             "completions/total_tokens",
-            "eval/accuracy",
+            "eval/rewards/correctness",
         ):
             assert a.get(key) == b.get(key), (a["step"], key)
         if "loss" in a:
@@ -1850,7 +2011,7 @@ def test_a_signal_stops_at_the_next_safe_point_without_the_eval(tiny_tp_model, t
     saved = out / f"checkpoint-{last_step + 1}"
     assert log.count(f"stopped by a signal after step {last_step}: saved {saved}; resume with") == 1, log[-3000:]
     assert [m["step"] for m in metrics] == list(range(last_step + 1))  # the eval of step 0 on its line, none after
-    assert "eval/accuracy" in metrics[0] and os.path.isfile(saved / "trainer_state.json")
+    assert "eval/rewards/correctness" in metrics[0] and os.path.isfile(saved / "trainer_state.json")
     assert sorted(os.listdir(out)) == [".lock", saved.name, "metrics.jsonl"]
 
 
@@ -2070,3 +2231,105 @@ def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
     assert all(
         os.path.isfile(tmp_path / f"cache-node{n}" / "SmolLM2-135M-Instruct" / "config.json") for n in (0, 1)
     )  # built on each node
+
+
+# ----------------------------------------------------------------------- what TRL users bring: data, rewards, trackers
+# a reward module as TRL's docs write one: completions of a conversational prompt are [{"role": "assistant", ...}],
+# the dataset's `solution` column comes by name, None means "cannot score this one"
+TRL_STYLE_REWARDS = """
+import json, os
+
+
+def accuracy_reward(completions, solution, **kwargs):
+    contents = [completion[0]["content"] for completion in completions]
+    return [None if s is None else float(s in c) for c, s in zip(contents, solution)]
+
+
+def short_reward(completions, prompts, completion_ids, **kwargs):
+    with open(os.environ["SPY"] + os.environ["RANK"], "w") as f:  # what this rank's last call received
+        json.dump({"prompts": prompts[:1], "completion_ids": completion_ids[:1], "columns": sorted(kwargs)}, f)
+    return [max(0.0, 1 - len(completion[0]["content"]) / 500) for completion in completions]
+"""
+
+
+def read_wandb_history(path):
+    """The history rows of a wandb offline run file: 7-byte header, then LevelDB-log records (crc 4, length 2, type 1)
+    in 32 KiB blocks, each a wandb Record protobuf."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    pos = 7
+    pending = b""
+    rows = []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({"/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return rows
+
+
+def test_e2e_trl_data_rewards_and_trackers(tiny_tp_model, tmp_path):
+    """A TRL user's pieces, unchanged, under torchrun: a parquet file written by `datasets` with conversational prompts
+    and a `solution` column, reward functions given by import path from the working directory, TensorBoard, wandb
+    (offline) and trackio (local) runs, and the completions log. Every tracker holds metrics.jsonl's numbers."""
+    from datasets import Dataset
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [{"prompt": [{"role": "user", "content": f"Say {i}."}], "solution": str(i)} for i in range(12)]
+    rows[5]["solution"] = None  # accuracy_reward cannot score this row's completions
+    Dataset.from_list(rows).to_parquet(str(tmp_path / "data.parquet"))
+    (tmp_path / "my_rewards.py").write_text(TRL_STYLE_REWARDS)
+    out = tmp_path / "out"
+    args = E2E[: E2E.index("--reward_funcs")] + ["--model", str(tiny_tp_model), "--learning_rate", "1e-3"]
+    args += [
+        "--dataset_name",
+        "data.parquet",
+        "--reward_funcs",
+        "my_rewards.accuracy_reward",
+        "my_rewards.short_reward",
+    ]
+    args += ["--report_to", "tensorboard", "wandb", "trackio", "--run_name", "trl-style", "--log_completions"]
+    args += ["--num_completions_to_print", "2"]
+    env = {"WANDB_MODE": "offline", "TRACKIO_DIR": str(tmp_path / "trackio"), "SPY": str(tmp_path / "spy")}
+    rc, log, metrics = torchrun(args, out, env=env, cwd=tmp_path)
+    assert rc == 0, log[-4000:]
+    assert_trained_and_in_sync(metrics, tiny_tp_model, out / "final")
+    train = [m for m in metrics if "loss" in m]
+    assert all(m["rewards/failures"] == 0 and "rewards/accuracy_reward" in m for m in train)
+    assert all(0 < m["rewards/short_reward"] <= 1 for m in train)
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"spy{rank}").read_text())
+        assert seen["prompts"][0][0]["role"] == "user" and seen["columns"] == ["solution"]
+        assert all(isinstance(t, int) for t in seen["completion_ids"][0])
+    # completions.jsonl: every rank's 8 samples of every step; 2 printed at each eval (steps 0 and 2)
+    logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged] == [0] * 16 + [1] * 16 + [2] * 16
+    step0 = [row for row in logged if row["step"] == 0]
+    assert sum(row["reward"] for row in step0) / 16 == pytest.approx(train[0]["reward"], abs=1e-5)
+    assert {"prompt", "completion", "advantage", "rewards/accuracy_reward", "rewards/short_reward"} <= set(step0[0])
+    assert len(re.findall(r"^  reward [-\d.]+ \| advantage [-+]\d", log, re.M)) == 4, log[-3000:]
+    # the trackers
+    expected = {m["step"]: m["reward"] for m in train}
+    tensorboard = EventAccumulator(str(out / "tensorboard"))
+    tensorboard.Reload()
+    assert {e.step: e.value for e in tensorboard.Scalars("reward")} == pytest.approx(expected)
+    assert "eval/reward" in tensorboard.Tags()["scalars"]
+    (wandb_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    history = [row for row in read_wandb_history(wandb_file) if "reward" in row]
+    assert {row["_step"]: row["reward"] for row in history} == pytest.approx(expected)
+    import sqlite3
+
+    database = sqlite3.connect(tmp_path / "trackio" / "grpo-colocate.db")
+    logged = database.execute("select step, metrics from metrics where run_name = 'trl-style'").fetchall()
+    rewards = {step: json.loads(values)["reward"] for step, values in logged if "reward" in json.loads(values)}
+    assert rewards == pytest.approx(expected)

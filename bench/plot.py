@@ -42,11 +42,14 @@ def main() -> None:
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         label = os.path.basename(os.path.dirname(os.path.abspath(path)))
-        train, ev = [r for r in rows if "reward" in r], [r for r in rows if "eval/accuracy" in r]
+        eval_key = (
+            "eval/rewards/correctness" if any("eval/rewards/correctness" in r for r in rows) else "eval/accuracy"
+        )
+        train, ev = [r for r in rows if "reward" in r], [r for r in rows if eval_key in r]
         steps = [r["step"] for r in train]
         color = f"C{i}"
         if ev:
-            ev_steps, ev_accuracy = [r["step"] for r in ev], [r["eval/accuracy"] for r in ev]
+            ev_steps, ev_accuracy = [r["step"] for r in ev], [r[eval_key] for r in ev]
             ax[0, 0].plot(ev_steps, ev_accuracy, "o-", color=color, label=f"{label}: eval (greedy)")
         accuracy = "rewards/correctness" if train and "rewards/correctness" in train[0] else "accuracy"
         if train and accuracy in train[0]:

@@ -27,7 +27,8 @@ def split(rows: list[dict]) -> dict:
 
     step = med(lambda r: r["time/step"])
     coloc = med(lambda r: t(r, "wake", "push", "sleep"))
-    evals = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    evals = [r.get("eval/rewards/correctness", r.get("eval/accuracy")) for r in rows]  # (older runs: eval/accuracy)
+    evals = [e for e in evals if e is not None]
     return {
         "steps": len(steps),
         "step_s": step,
