@@ -294,26 +294,22 @@ def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
     return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
 
 
-DATA_FILE_TYPES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
 def load_train_split(cfg: Config):
-    """--dataset_name's --dataset_train_split: from a data file, a folder saved by `datasets` (save_to_disk), or what
-    load_dataset finds under the name (a hub dataset with --dataset_config, a folder of data files)."""
+    """--dataset_name's --dataset_train_split: from a folder saved by `datasets` (save_to_disk), a data file (its type
+    from its extension: .jsonl, .json, .parquet, .csv, compressed too), or what load_dataset finds under the name (a
+    hub dataset with --dataset_config, a folder of data files)."""
     import datasets
 
     name = cfg.dataset_name
     split = cfg.dataset_train_split
     saved = os.path.isfile(os.path.join(name, "state.json")) or os.path.isfile(os.path.join(name, "dataset_dict.json"))
-    file_type = DATA_FILE_TYPES.get(os.path.splitext(name)[1])
-    if os.path.isfile(name) and file_type is None:
-        raise ConfigError(f"--dataset_name {name}: a data file's name must end in one of {sorted(DATA_FILE_TYPES)}")
     datasets.disable_progress_bars()
     try:
         if saved:
             dataset = datasets.load_from_disk(name)
         elif os.path.isfile(name):
-            dataset = datasets.load_dataset(file_type, data_files={split: name}, split=split)
+            folder = os.path.dirname(name) or "."
+            dataset = datasets.load_dataset(folder, data_files={split: os.path.basename(name)}, split=split)
         else:
             dataset = datasets.load_dataset(name, cfg.dataset_config, split=split)
     except Exception as e:
@@ -1678,9 +1674,9 @@ class RunLog:
         rows = [{"step": step, **row} for rank_rows in everyone for row in rank_rows]
         append_jsonl(self.completions_path, rows)
         for row in rows[: self.num_completions_to_print if show else 0]:
-            prompt = " ".join(row["prompt"].split())[-150:]
+            prompt = " ".join(row["prompt"].split())[-150:]  # (on one line, the end of a long one)
             completion = " ".join(row["completion"].split())[:300]
-            say(f"  reward {row['reward']:.2f} | advantage {row['advantage']:+.2f} | ...{prompt} -> {completion}")
+            say(f"  reward {row['reward']:.2f} | advantage {row['advantage']:+.2f} | {prompt} -> {completion}")
 
     def close(self) -> None:
         for tracker in self.trackers:

@@ -365,7 +365,7 @@ def test_conversational_prompts_go_through_the_chat_template_as_they_are(tmp_pat
         ("no_prompt", "no 'prompt' column \\(it has \\['question', 'answer'\\]\\); map one first"),
         ("empty", "the train split has no rows"),
         ("not_parquet", "cannot be loaded \\("),
-        ("data.txt", "a data file's name must end in one of"),
+        ("data.txt", "no 'prompt' column \\(it has \\['text'\\]\\)"),  # a text file: a line per row
         ("split", "--dataset_train_split validation: .* has the splits \\['train'\\]"),
         ("no_answer", "--reward_funcs correctness reads an 'answer' column; the dataset has \\['prompt'\\]"),
         ("all_held_out", "--dataset_name: no rows left for training after the 5 eval rows \\(--num_eval_prompts\\)"),
@@ -376,11 +376,11 @@ def test_dataset_errors(tmp_path, case, message):
     options = {}
     if case == "no_prompt":
         write_dataset(path, [{"question": "a", "answer": "1"}])
-    elif case == "empty":
-        path = tmp_path / "data.parquet"
+    elif case == "empty":  # (an empty data file: load_dataset's own line, "...corresponds to no data")
+        path = tmp_path / "saved"
         from datasets import Dataset
 
-        Dataset.from_dict({"prompt": [], "answer": []}).to_parquet(str(path))
+        Dataset.from_dict({"prompt": [], "answer": []}).save_to_disk(str(path))
     elif case == "not_parquet":
         path = tmp_path / "data.parquet"
         path.write_bytes(b"\x1f\x8b\x08\x00 not parquet")
@@ -1061,6 +1061,29 @@ def test_validation_names_the_option(override, world, message):
     with pytest.raises(g.ConfigError) as e:
         g.validate_options(g.Config(**override), world, on_gpu=False)
     assert message in str(e.value)
+
+
+def test_a_tracker_is_imported_only_when_asked_for_and_must_be_installed(monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    asked = []
+
+    def without_wandb(name, *args):
+        asked.append(name)
+        return None if name == "wandb" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_wandb)
+    g.validate_options(g.Config(), 1, on_gpu=False)
+    assert asked == []  # none asked for: none looked up
+    g.validate_options(g.Config(report_to=["tensorboard"]), 1, on_gpu=False)
+    with pytest.raises(g.ConfigError, match="--report_to: the \\['wandb'\\] package is not installed here"):
+        g.validate_options(g.Config(report_to=["tensorboard", "wandb"]), 1, on_gpu=False)
+    # importing the script imports no tracker (nor datasets): open_tracker does, on rank 0, when asked
+    probe = (
+        "import sys, grpo_colocate; print(sorted({'wandb', 'trackio', 'tensorboard', 'datasets'} & set(sys.modules)))"
+    )
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE).stdout == "[]\n"
 
 
 def test_a_tp_group_must_not_span_nodes(monkeypatch):
