@@ -303,6 +303,8 @@ def load_train_split(cfg: Config):
     name = cfg.dataset_name
     split = cfg.dataset_train_split
     saved = os.path.isfile(os.path.join(name, "state.json")) or os.path.isfile(os.path.join(name, "dataset_dict.json"))
+    if os.path.isfile(name) and os.path.getsize(name) == 0:
+        raise ConfigError(f"--dataset_name {name}: the file is empty")
     datasets.disable_progress_bars()
     try:
         if saved:
@@ -321,8 +323,6 @@ def load_train_split(cfg: Config):
         dataset = dataset[split]
     if "prompt" not in dataset.column_names:
         raise ConfigError(f"--dataset_name {name}: no 'prompt' column (it has {dataset.column_names}); map one first")
-    if len(dataset) == 0:
-        raise ConfigError(f"--dataset_name {name}: the {split} split has no rows")
     return dataset
 
 
