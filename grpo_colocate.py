@@ -1654,7 +1654,7 @@ class RunLog:
         if RANK == 0:
             keep_steps_before(self.metrics_path, first_step)
             keep_steps_before(self.completions_path, first_step)
-            self.trackers = [open_tracker(name, cfg) for name in cfg.report_to if name != "none"]
+            self.trackers = [open_tracker(name, cfg, first_step) for name in cfg.report_to if name != "none"]
 
     def metrics(self, m: dict) -> None:
         if RANK != 0:
@@ -1697,12 +1697,13 @@ def completion_rows(r: Rollouts, rewards, by_function: dict, advantages) -> list
 
 
 class TensorBoardRun:
-    """TensorBoard event files in output_dir/tensorboard, behind the two calls of a wandb run."""
+    """TensorBoard event files in output_dir/tensorboard, behind the two calls of a wandb run. A resumed run first
+    hides what an earlier one logged from its first step on (purge_step)."""
 
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str, first_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir)
+        self.writer = SummaryWriter(log_dir, purge_step=first_step or None)
 
     def log(self, metrics: dict, step: int) -> None:
         for name, value in metrics.items():
@@ -1713,11 +1714,11 @@ class TensorBoardRun:
         self.writer.close()
 
 
-def open_tracker(name: str, cfg: Config):
+def open_tracker(name: str, cfg: Config, first_step: int):
     """A new run in one tracker of --report_to, with log(metrics, step=) and finish(). wandb and trackio take their
     project from WANDB_PROJECT / TRACKIO_PROJECT (default grpo-colocate); WANDB_MODE=offline keeps wandb local."""
     if name == "tensorboard":
-        return TensorBoardRun(os.path.join(cfg.output_dir, "tensorboard"))
+        return TensorBoardRun(os.path.join(cfg.output_dir, "tensorboard"), first_step)
     tracker = importlib.import_module(name)  # wandb or trackio: trackio copies wandb's API
     project = os.environ.get(f"{name.upper()}_PROJECT", "grpo-colocate")
     where = {"dir": cfg.output_dir} if name == "wandb" else {}  # (trackio: TRACKIO_DIR)

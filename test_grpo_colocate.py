@@ -1219,6 +1219,33 @@ def test_a_truncated_metrics_line_is_dropped_on_resume(tmp_path, capsys):
     assert "dropped a line that is not a complete record" in capsys.readouterr().out
 
 
+def test_a_resumed_run_replaces_the_tensorboard_steps_it_repeats(tmp_path):
+    """A run that crashed after logging step 7 with a checkpoint at 5: the resumed run's steps 5 and 6 replace the
+    first run's 5-7 in TensorBoard, as keep_steps_before does in metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = g.TensorBoardRun(str(tmp_path), 0)
+    for step in range(8):
+        first.log({"reward": float(step)}, step=step)
+    first.finish()
+    time.sleep(1)  # (event files are named by the second)
+    resumed = g.TensorBoardRun(str(tmp_path), 5)
+    for step in (5, 6):
+        resumed.log({"reward": 10.0 + step}, step=step)
+    resumed.finish()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [
+        (0, 0),
+        (1, 1),
+        (2, 2),
+        (3, 3),
+        (4, 4),
+        (5, 15),
+        (6, 16),
+    ]
+
+
 def _agree_worker(rank, world, port, q):
     join_group(rank, world, port)
     out = []
