@@ -310,7 +310,7 @@ def load_train_split(cfg: Config):
         if saved:
             dataset = datasets.load_from_disk(name)
         elif os.path.isfile(name):
-            folder = os.path.dirname(name) or "."
+            folder = os.path.dirname(os.path.abspath(name))  # (load_dataset names the dataset after it)
             dataset = datasets.load_dataset(folder, data_files={split: os.path.basename(name)}, split=split)
         else:
             dataset = datasets.load_dataset(name, cfg.dataset_config, split=split)
@@ -1653,7 +1653,8 @@ class RunLog:
         self.trackers = []
         if RANK == 0:
             keep_steps_before(self.metrics_path, first_step)
-            keep_steps_before(self.completions_path, first_step)
+            if cfg.log_completions:
+                keep_steps_before(self.completions_path, first_step)
             self.trackers = [open_tracker(name, cfg, first_step) for name in cfg.report_to if name != "none"]
 
     def metrics(self, m: dict) -> None:

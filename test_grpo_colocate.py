@@ -2058,7 +2058,7 @@ def test_a_signal_stops_at_the_next_safe_point_without_the_eval(tiny_tp_model, t
     saved = out / f"checkpoint-{last_step + 1}"
     assert log.count(f"stopped by a signal after step {last_step}: saved {saved}; resume with") == 1, log[-3000:]
     assert [m["step"] for m in metrics] == list(range(last_step + 1))  # the eval of step 0 on its line, none after
-    assert "eval/rewards/correctness" in metrics[0] and os.path.isfile(saved / "trainer_state.json")
+    assert "eval/reward" in metrics[0] and os.path.isfile(saved / "trainer_state.json")
     assert sorted(os.listdir(out)) == [".lock", saved.name, "metrics.jsonl"]
 
 
