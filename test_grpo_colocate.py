@@ -576,6 +576,32 @@ def test_fill_ds_config():
     assert "auto" not in json.dumps(ds)
 
 
+def test_memory_timeline_summary_and_picture_by_hand(tmp_path):
+    """bench/memory_timeline.py, the README's memory picture and fits-on-one-GPU table: the peak of the samples, and
+    the median step (steps 1 to the last but one) split into generation, co-location and training from the loop's
+    phase spans; the picture is drawn from the same recording."""
+    sys.path.insert(0, os.path.join(HERE, "bench"))
+    import memory_timeline
+
+    gib = 2**30
+    steps = [0.0, 1.0, 2.2, 3.0, 4.5, 5.5]
+    spans = []
+    samples = []
+    for start, gen, train in [(0.0, 0.5, 0.4), (1.0, 0.6, 0.5), (2.2, 0.3, 0.4), (3.0, 0.9, 0.5), (4.5, 0.5, 0.4)]:
+        spans += [("wake", start, start + 0.05), ("push", start + 0.05, start + 0.1), ("eval", start, start)]
+        spans += [("generate", start + 0.1, start + 0.1 + gen), ("sleep", start + 0.1 + gen, start + 0.15 + gen)]
+        spans += [("train", start + 0.2 + gen, start + 0.2 + gen + train)]
+        samples += [(start + 0.1, 12 * gib, 2 * gib, 9 * gib), (start + 0.3 + gen, 10 * gib, 0, 9.5 * gib)]
+    run = {"argv": [], "steps": steps, "spans": spans, "samples": samples}
+    numbers = memory_timeline.summary(run)  # steps 1-3: 1.2, 0.8, 1.5 s; generation 0.6, 0.3, 0.9
+    assert numbers == pytest.approx(
+        {"peak_gib": 12, "vllm_awake_gib": 2, "step": 1.2, "generate": 0.6, "co-location": 0.15, "train": 0.5}
+    )
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    memory_timeline.plot([str(tmp_path / "run.json")], ["a run"], str(tmp_path / "memory.png"), 1, 3)
+    assert (tmp_path / "memory.png").stat().st_size > 10_000
+
+
 def test_step_split_by_hand(tmp_path):
     """bench/step_split.py, the READMEs' step figures: medians over steps 1..N-1 (step 0 left out), co-loc the median
     of each step's wake + push + sleep, memory from the first step, an eval-only line skipped."""

@@ -1,0 +1,183 @@
+"""GPU memory over a few training steps, with the phases marked: what the trainer holds, what the vLLM engine holds
+awake, and how sleep gives it back. Records one rank-0 run of grpo_colocate.py (any of its options), then draws it.
+
+    MEMORY_TIMELINE=/tmp/t135m.json torchrun --nproc_per_node 1 bench/memory_timeline.py --max_steps 8 --eval_steps 0
+    MEMORY_TIMELINE=/tmp/t1p5b.json torchrun --nproc_per_node 1 bench/memory_timeline.py --model /tmp/random-1.5b \\
+        --max_steps 8 --per_device_train_batch_size 32 --gradient_accumulation_steps 2 --max_completion_length 256 \\
+        --reward_funcs brevity --eval_steps 0
+    python bench/memory_timeline.py --plot /tmp/t135m.json /tmp/t1p5b.json --out memory.png \\
+        --labels "SmolLM2-135M-Instruct, 32 x 128" "random 1.5B, 64 x 256"
+
+Recording samples every 10 ms, from a thread: the GPU's used memory (cudaMemGetInfo: every process and allocator),
+vLLM's (its sleep-mode allocator's allocations while mapped: weights and KV cache) and the trainer's (torch's reserved
+memory less vLLM's pool). The rest is the CUDA context, NCCL, cuBLAS and vLLM's CUDA graphs. The phases are the
+loop's own timer (PhaseTimer). At the end it prints the peaks (the fits-on-one-GPU table in the README).
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+GiB = 2**30
+PHASES = {  # the loop's timer phases, drawn as four bands
+    "wake": ("wake + push", "tab:orange"),
+    "push": ("wake + push", "tab:orange"),
+    "exchange": ("generate", "tab:green"),
+    "generate": ("generate", "tab:green"),
+    "sleep": ("sleep", "tab:red"),
+    "reward": ("train", "tab:blue"),
+    "train": ("train", "tab:blue"),
+}
+
+
+def record(out: str) -> None:
+    import torch
+    import vllm
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import grpo_colocate as g
+
+    t0 = time.perf_counter()
+    samples, spans, steps = [], [], []  # (t, used, vllm, trainer) bytes; (phase, start, end); step start times
+    awake = {}  # vLLM allocation tag -> mapped, from LLM.sleep / wake_up (level 2 unmaps every tag)
+
+    def now():
+        return time.perf_counter() - t0
+
+    def vllm_allocations():
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        return [(d.tag, d.handle[1]) for d in list(CuMemAllocator.get_instance().pointer_to_data.values())]
+
+    def sample(stop: threading.Event, device: int) -> None:
+        while not stop.is_set():
+            try:
+                allocations = vllm_allocations()
+            except RuntimeError:  # (the dict changed while it was read)
+                continue
+            free, total = torch.cuda.mem_get_info(device)
+            mapped = sum(size for tag, size in allocations if awake.get(tag, True))
+            trainer = torch.cuda.memory_reserved(device) - sum(size for _, size in allocations)
+            samples.append((now(), total - free, mapped, trainer))
+            time.sleep(0.01)
+
+    sleep = vllm.LLM.sleep
+    wake_up = vllm.LLM.wake_up
+    timer_call = g.PhaseTimer.__call__
+    push = g.push_weights_to_vllm
+
+    def sleep_and_note(self, *args, **kwargs):
+        sleep(self, *args, **kwargs)
+        awake.update(dict.fromkeys([tag for tag, _ in vllm_allocations()], False))
+
+    def wake_up_and_note(self, tags=None):
+        wake_up(self, tags=tags)
+        awake.update(dict.fromkeys(tags or [tag for tag, _ in vllm_allocations()], True))
+
+    @contextmanager
+    def timed(self, name):
+        with timer_call(self, name):
+            start = now()
+            yield
+        spans.append((name, start, now()))
+
+    def push_and_note(*args, **kwargs):
+        if not steps:  # sampling from a thread while vLLM captures its CUDA graphs at start-up would break the capture
+            threading.Thread(target=sample, args=(stop, torch.cuda.current_device()), daemon=True).start()
+        steps.append(now())
+        return push(*args, **kwargs)
+
+    vllm.LLM.sleep = sleep_and_note
+    vllm.LLM.wake_up = wake_up_and_note
+    g.PhaseTimer.__call__ = timed
+    g.push_weights_to_vllm = push_and_note
+    stop = threading.Event()
+    g.main(sys.argv[1:])
+    stop.set()
+    if g.RANK != 0:
+        return
+    peak = max(samples, key=lambda s: s[1])
+    trainer_peak = max(s[3] for s in samples)
+    vllm_peak = max(s[2] for s in samples)
+    print(
+        f"[memory_timeline] peak GPU memory {peak[1] / GiB:.1f} GiB; trainer up to {trainer_peak / GiB:.1f} GiB, vLLM "
+        f"up to {vllm_peak / GiB:.2f} GiB awake; {torch.cuda.get_device_name()}; {len(samples)} samples",
+        flush=True,
+    )
+    with open(out, "w") as f:
+        json.dump({"argv": sys.argv[1:], "samples": samples, "spans": spans, "steps": steps}, f)
+
+
+def summary(run: dict) -> dict:
+    """Peak memory and the median step (steps 1 to the last but one) split by phase, from a recording."""
+    steps = run["steps"]
+    seconds = {"step": [], "generate": [], "co-location": [], "train": []}
+    for start, end in zip(steps[1:-1], steps[2:], strict=True):
+        spans = [(name, b - a) for name, a, b in run["spans"] if start <= a < end]
+        seconds["step"].append(end - start)
+        seconds["generate"].append(sum(d for name, d in spans if name in ("exchange", "generate")))
+        seconds["co-location"].append(sum(d for name, d in spans if name in ("wake", "push", "sleep")))
+        seconds["train"].append(sum(d for name, d in spans if name in ("reward", "train")))
+    medians = {name: sorted(values)[len(values) // 2] for name, values in seconds.items()}
+    peak = max(s[1] for s in run["samples"]) / GiB
+    return {"peak_gib": peak, "vllm_awake_gib": max(s[2] for s in run["samples"]) / GiB, **medians}
+
+
+def plot(paths: list[str], labels: list[str], out: str, first_step: int, num_steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(paths), 1, figsize=(12, 3.2 * len(paths)), squeeze=False)
+    for ax, path, label in zip(axes[:, 0], paths, labels, strict=True):
+        with open(path) as f:
+            run = json.load(f)
+        numbers = summary(run)
+        print(f"{label}: " + ", ".join(f"{name} {value:.2f}" for name, value in numbers.items()))
+        start = run["steps"][first_step]
+        end = run["steps"][first_step + num_steps]
+        window = [s for s in run["samples"] if start <= s[0] <= end]
+        t = [s[0] - start for s in window]
+        trainer = [max(s[3], 0) / GiB for s in window]
+        engine = [s[2] / GiB for s in window]
+        rest = [max(s[1] / GiB - a - b, 0) for s, a, b in zip(window, trainer, engine, strict=True)]
+        names = ["torch allocator: the trainer (and vLLM's CUDA graphs)", "vLLM: weights + KV cache", "other"]
+        ax.stackplot(t, trainer, engine, rest, labels=names, colors=["tab:blue", "tab:orange", "lightgray"])
+        # the axis starts below the trainer's least: what comes and goes is the engine's, a few GiB of many
+        bottom = max(0.0, min(trainer) - 2)
+        top = max(s[1] for s in window) / GiB + 1.5
+        for name, span_start, span_end in run["spans"]:
+            if name in PHASES and start <= span_start <= end:
+                ax.axvspan(span_start - start, span_end - start, ymin=0.9, ymax=1.0, color=PHASES[name][1], lw=0)
+        for phase, color in dict(PHASES.values()).items():
+            ax.bar(0, 0, color=color, label=f"phase: {phase}")
+        ax.set_ylim(bottom, top)
+        ax.set_xlim(0, end - start)
+        ax.set_ylabel(f"GiB (axis from {bottom:.0f})")
+        title = f"{label}: steps {first_step}-{first_step + num_steps - 1}, peak {numbers['peak_gib']:.1f} GiB"
+        ax.set_title(title, fontsize=9)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+    axes[-1, 0].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--plot"]:
+        import argparse
+
+        parser = argparse.ArgumentParser(description="draw recorded timelines, one panel each")
+        parser.add_argument("--plot", nargs="+", required=True, help="json files written by a recording")
+        parser.add_argument("--labels", nargs="+", help="a title for each panel (default: the file names)")
+        parser.add_argument("--out", default="memory.png")
+        parser.add_argument("--first_step", type=int, default=2, help="skip start-up and the first steps")
+        parser.add_argument("--num_steps", type=int, default=3)
+        args = parser.parse_args()
+        plot(args.plot, args.labels or args.plot, args.out, args.first_step, args.num_steps)
+    else:
+        record(os.environ.get("MEMORY_TIMELINE", "memory_timeline.json"))
