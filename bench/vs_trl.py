@@ -35,16 +35,8 @@ def fail(message: str, status: int = 2):
 
 
 # grpo_colocate option -> the environment variable bench/trl_peer.py reads for it
-MIRRORED = {
-    "model": "MODEL",
-    "max_steps": "STEPS",
-    "per_device_train_batch_size": "BS",
-    "gradient_accumulation_steps": "GAS",
-    "num_generations": "G",
-    "max_completion_length": "MAXTOK",
-    "learning_rate": "LR",
-    "gradient_checkpointing": "GC",
-}
+MIRRORED = dict(model="MODEL", max_steps="STEPS", per_device_train_batch_size="BS", gradient_accumulation_steps="GAS")
+MIRRORED.update(num_generations="G", max_completion_length="MAXTOK", learning_rate="LR", gradient_checkpointing="GC")
 OURS_ONLY = {"eval_steps", "num_eval_prompts"}  # ours' eval: not in the median of its steps
 
 
@@ -77,18 +69,12 @@ def commands(
 
 def summary(ours: list[dict], trl: list[dict]) -> dict:
     """Per round and over rounds: ours' split (step_split.split) against TRL's TRLPEER figures."""
-    rounds = [
-        {
-            "ours_step_s": o["step_s"],
-            "ours_gen_coloc_train_s": [o["gen_s"], o["coloc_s"], o["train_s"]],
-            "ours_samples_per_s": o["samples_per_sec"],
-            "ours_coloc_share": o["coloc_share"],
-            "trl_step_s": t["median_step_s"],
-            "trl_samples_per_s": t["samples_per_s"],
-            "ours_over_trl": o["samples_per_sec"] / t["samples_per_s"],
-        }
-        for o, t in zip(ours, trl, strict=True)
-    ]
+    rounds = []
+    for o, t in zip(ours, trl, strict=True):
+        r = dict(ours_step_s=o["step_s"], ours_gen_coloc_train_s=[o["gen_s"], o["coloc_s"], o["train_s"]])
+        r.update(ours_samples_per_s=o["samples_per_sec"], ours_coloc_share=o["coloc_share"])
+        r.update(trl_step_s=t["median_step_s"], trl_samples_per_s=t["samples_per_s"])
+        rounds.append({**r, "ours_over_trl": o["samples_per_sec"] / t["samples_per_s"]})
     ours_median = statistics.median(r["ours_samples_per_s"] for r in rounds)
     trl_median = statistics.median(r["trl_samples_per_s"] for r in rounds)
     ratios = [r["ours_over_trl"] for r in rounds]
