@@ -15,6 +15,7 @@ loop's own timer (PhaseTimer). At the end it prints the peaks (the fits-on-one-G
 
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -111,7 +112,7 @@ def summary(run: dict) -> dict:
         seconds["generate"].append(sum(d for name, d in spans if name in ("exchange", "generate")))
         seconds["co-location"].append(sum(d for name, d in spans if name in ("wake", "push", "sleep")))
         seconds["train"].append(sum(d for name, d in spans if name in ("reward", "train")))
-    medians = {name: sorted(values)[len(values) // 2] for name, values in seconds.items()}
+    medians = {name: statistics.median(values) for name, values in seconds.items()}
     peak = max(s[1] for s in run["samples"]) / GiB
     return {"peak_gib": peak, "vllm_awake_gib": max(s[2] for s in run["samples"]) / GiB, **medians}
 

@@ -3,6 +3,7 @@ memory runs (bench/README.md), not learning. Random weights almost never sample 
 max_completion_length and every step does the same work.
 
     python bench/random_model.py /tmp/random-1.5b 1.5b     # 1.39B params: 28 layers, hidden 1536, 12 / 2 heads
+    python bench/random_model.py /tmp/random-3b 3b         # 3.1B params: 36 layers, hidden 2048, 16 / 2 heads
     python bench/random_model.py /tmp/random-7b 7b         # 6.9B params: 28 layers, hidden 3584, 28 / 4 heads
     python bench/random_model.py /tmp/tiny8 tiny8          # 13M params: 2 layers, hidden 256, 8 / 8 heads
                                                            # (bench/tp_sweep.py)
@@ -17,12 +18,20 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offline_model  # noqa: E402 (from the folder above, put on sys.path just above; the default model's tokenizer)
 
-SHAPES = {  # Qwen2.5-1.5B / -7B layer shapes; the vocabulary is SmolLM2's
+SHAPES = {  # Qwen2.5-1.5B / -3B / -7B layer shapes; the vocabulary is SmolLM2's
     "1.5b": dict(
         hidden_size=1536,
         intermediate_size=8960,
         num_hidden_layers=28,
         num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "3b": dict(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
