@@ -593,9 +593,9 @@ def test_memory_timeline_summary_and_picture_by_hand(tmp_path):
         spans += [("train", start + 0.2 + gen, start + 0.2 + gen + train)]
         samples += [(start + 0.1, 12 * gib, 2 * gib, 9 * gib), (start + 0.3 + gen, 10 * gib, 0, 9.5 * gib)]
     run = {"argv": [], "steps": steps, "spans": spans, "samples": samples}
-    numbers = memory_timeline.summary(run)  # steps 1-3: 1.2, 0.8, 1.5 s; generation 0.6, 0.3, 0.9
+    numbers = memory_timeline.summary(run)  # steps 1-4: 1.2, 0.8, 1.5, 1.0 s; generation 0.6, 0.3, 0.9, 0.5 s
     assert numbers == pytest.approx(
-        {"peak_gib": 12, "vllm_awake_gib": 2, "step": 1.2, "generate": 0.6, "co-location": 0.15, "train": 0.5}
+        {"peak_gib": 12, "vllm_awake_gib": 2, "step": 1.1, "generate": 0.55, "co-location": 0.15, "train": 0.45}
     )
     (tmp_path / "run.json").write_text(json.dumps(run))
     args = ["--memory", str(tmp_path / "run.json"), "--first_step", "1", "--out", str(tmp_path / "memory.png")]
