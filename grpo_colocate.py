@@ -41,7 +41,6 @@ import importlib.util
 import json
 import logging
 import math
-import numbers
 import os
 import random
 import re
@@ -55,6 +54,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -264,7 +264,10 @@ class DatasetRows:
         num_eval = min(num_eval_prompts, len(dataset))
         self.eval_rows = dataset.select(range(num_eval)).to_list()
         held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
-        prompts = dataset["prompt"]
+        prompts = list(dataset["prompt"])
+        empty = [i for i, prompt in enumerate(prompts) if not prompt]
+        if empty:
+            raise ConfigError(f"--dataset_name: row {empty[0]} has no prompt ({prompts[empty[0]]!r})")
         self.train_indices = [i for i in range(num_eval, len(dataset)) if prompt_key(prompts[i]) not in held_out]
         if not self.train_indices:
             raise ConfigError(
@@ -287,6 +290,9 @@ def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
     if cfg.dataset_name == "arithmetic":
         return ArithmeticTask(cfg.seed, cfg.num_eval_prompts)
     dataset = load_train_split(cfg)
+    clash = sorted(set(dataset.column_names) & set(REWARD_ARGUMENTS))
+    if clash:
+        raise ConfigError(f"--dataset_name: the column {clash[0]!r} has the name of a reward argument; rename it")
     if "correctness" in cfg.reward_funcs and "answer" not in dataset.column_names:
         raise ConfigError(
             f"--reward_funcs correctness reads an 'answer' column; the dataset has {dataset.column_names}"
@@ -333,9 +339,18 @@ def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[
 
 
 def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """A prompt through the model's chat template: plain text as one user turn, a list of messages as it is."""
+    """A prompt through the model's chat template: plain text as one user turn, a list of messages as it is. Ending
+    with an assistant message, the prompt is the start of the reply: the completion continues it (as in TRL)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+    continues = messages[-1]["role"] == "assistant"
+    ids = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=not continues,
+        continue_final_message=continues,
+        tokenize=True,
+        return_dict=False,
+    )
+    return list(ids)
 
 
 def encode_prompts(tokenizer, prompts: list, max_len: int) -> tuple[list[list[int]], int]:
@@ -402,6 +417,8 @@ def completion_text(completion: str | list[dict]) -> str:
     return completion if isinstance(completion, str) else completion[0]["content"]
 
 
+# what a reward function gets besides the row's columns (TRL's names)
+REWARD_ARGUMENTS = ["completions", "prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"]
 REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward, "brevity": brevity_reward}
 DEFAULT_REWARD_WEIGHTS = {"format": 0.5}  # the rest: 1.0
 
@@ -426,8 +443,8 @@ def reward_function(name: str):
 
 
 def reward_kwargs(r: Rollouts) -> dict[str, list]:
-    """What TRL passes a reward function, by name, one entry per completion: completions (text, or an assistant
-    message for a conversational prompt), prompts, completion_ids, and every other column of the row."""
+    """What TRL passes a reward function per completion, by name: completions (text, or an assistant message for a
+    conversational prompt), prompts, completion_ids, and every other column of the row."""
     completions = [
         t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
         for t, row in zip(r.texts, r.rows, strict=True)
@@ -438,21 +455,45 @@ def reward_kwargs(r: Rollouts) -> dict[str, list]:
         "completion_ids": r.completions,
     }
     for column in r.rows[0] if r.rows else []:
-        if column != "prompt":
+        if column != "prompt":  # (prompt_source refuses columns named like the arguments above)
             kwargs[column] = [row[column] for row in r.rows]
     return kwargs
 
 
-def safe_rewards(fn, kwargs: dict[str, list]) -> tuple[list[float], list[str]]:
+class RewardLog:
+    """The rest of TRL's reward arguments: trainer_state (its global_step and max_steps), and log_metric(name, value)
+    and log_extra(column, values), whose means (rank 0's, as TRL logs them) go into the step's metrics and whose
+    columns go into completions.jsonl."""
+
+    def __init__(self, step: int = 0, max_steps: int = 0):
+        self.trainer_state = SimpleNamespace(global_step=step, max_steps=max_steps)
+        self.logged = defaultdict(list)
+        self.columns = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.logged[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.columns[column] = list(values)
+
+    def kwargs(self) -> dict:
+        return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
+
+    def metrics(self) -> dict[str, float]:
+        return {name: sum(values) / len(values) for name, values in self.logged.items()}
+
+
+def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tuple[list[float], list[str]]:
     """fn's rewards, NaN where it returns None (it cannot score that sample) and where it raises or returns anything
     but a finite number (a reward bug must not end the run), with a line per sample that went wrong. If the batch call
-    fails, each sample is scored alone to find the culprits."""
+    fails, each sample is scored alone to find the culprits. kwargs: one entry per sample; shared: passed as it is."""
+    shared = shared or {}
     n = len(kwargs["completions"])
     if n == 0:
         return [], []
     errors = [None] * n
     try:
-        values = list(fn(**kwargs))
+        values = list(fn(**kwargs, **shared))
     except Exception:
         values = []
     if len(values) != n:
@@ -460,29 +501,42 @@ def safe_rewards(fn, kwargs: dict[str, list]) -> tuple[list[float], list[str]]:
         for i in range(n):
             one_sample = {name: column[i : i + 1] for name, column in kwargs.items()}
             try:
-                values[i] = fn(**one_sample)[0]
+                values[i] = fn(**one_sample, **shared)[0]
             except Exception as e:
                 errors[i] = f"{type(e).__name__}: {e}"
     rewards = []
     problems = []
     for value, error in zip(values, errors, strict=True):
-        if isinstance(value, numbers.Real) and math.isfinite(value):  # numpy numbers and bools too
-            rewards.append(float(value))
-        else:
-            rewards.append(math.nan)
-            if value is not None or error:
-                problems.append(error or f"returned {value!r}")
+        reward = as_reward(value)
+        rewards.append(reward)
+        if math.isnan(reward) and (value is not None or error):
+            problems.append(error or f"returned {value!r}")
     return rewards, problems
 
 
-def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = ""):
+def as_reward(value) -> float:
+    """A reward function's value as a float: Python, numpy or 0-d torch numbers, bools too; NaN for None and the
+    rest."""
+    if value is None or isinstance(value, str):
+        return math.nan
+    try:
+        reward = float(value)
+    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several values)
+        return math.nan
+    return reward if math.isfinite(reward) else math.nan
+
+
+def score(
+    r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, log: RewardLog | None = None, prefix=""
+):
     """The weighted total reward [B] over the functions that could score each sample (NaN where none could), and
     each function's rewards {name: [B]}; each one's mean over the samples it scored, and its failures, go into
-    stats."""
+    stats, what the functions log into `log`."""
     kwargs = reward_kwargs(r)
+    log = log or RewardLog()
     by_function = {}
     for name, fn in reward_funcs.items():
-        values, problems = safe_rewards(fn, kwargs)
+        values, problems = safe_rewards(fn, kwargs, log.kwargs())
         if problems:
             say(
                 f"warning: rank {RANK}: reward {name!r} failed for {len(problems)} of {len(values)} samples (first: "
@@ -959,7 +1013,7 @@ def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, live, entro
 
 
 # ================================================================================================= the training loop
-def evaluate(llm, tokenizer, plan: Plan, cfg: Config, tp_group, device) -> dict:
+def evaluate(llm, plan: Plan, cfg: Config, tp_group, device, step: int) -> dict:
     """The rewards of greedy completions of the held-out eval set (eval/rewards/*), split over the ranks and sent to
     vLLM (awake) in batches of one step's prompts at most, so the KV cache does not grow with the eval set."""
     source = plan.source
@@ -969,20 +1023,21 @@ def evaluate(llm, tokenizer, plan: Plan, cfg: Config, tp_group, device) -> dict:
     rounds = math.ceil(math.ceil(len(source.eval_rows) / world) / batch)  # the same on every rank of a TP group
     greedy = sampling_params(1, 0.0, cfg.max_completion_length)
     stats = Stats()
+    reward_log = RewardLog(step, cfg.max_steps)
     for i in range(rounds):
         chunk = rows[i * batch : (i + 1) * batch]
-        ids, _ = encode_prompts(tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
+        ids, _ = encode_prompts(plan.tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
         outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
-        r = collect_rollouts(chunk, ids, outputs, tokenizer)
-        score(r, plan.reward_funcs, cfg.reward_weights, stats, prefix="eval/")
-    return stats.reduce(device)
+        r = collect_rollouts(chunk, ids, outputs, plan.tokenizer)
+        score(r, plan.reward_funcs, cfg.reward_weights, stats, reward_log, prefix="eval/")
+    logged = {f"eval/{name}": value for name, value in reward_log.metrics().items()}
+    return {**stats.reduce(device), **logged}
 
 
 @dataclass
 class Setup:
     """What `setup` builds for the loop."""
 
-    tokenizer: object
     llm: object  # this rank's vLLM engine: asleep between steps in sleep mode
     engine: object  # the policy's DeepSpeed ZeRO-3 engine
     ref: object | None  # the frozen reference (beta > 0)
@@ -996,7 +1051,6 @@ def setup(cfg: Config, model_path: str) -> Setup:
     """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer and the optional reference."""
     import deepspeed
     import deepspeed.ops
-    from transformers import AutoTokenizer
 
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
@@ -1031,18 +1085,17 @@ def setup(cfg: Config, model_path: str) -> Setup:
     engine = build_trainer(cfg, model_path, ds_config, dtype)
     ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return Setup(tokenizer, llm, engine, ref, tp_group, sleep_mode, wake_bytes, memory)
+    return Setup(llm, engine, ref, tp_group, sleep_mode, wake_bytes, memory)
 
 
-def train(cfg: Config, device: torch.device) -> None:
-    """Preflight, set-up, max_steps GRPO steps, the final model; a checkpoint every save_steps and when a signal asks
-    the run to stop."""
+def train(cfg: Config, plan: Plan, device: torch.device) -> None:
+    """Set-up, max_steps GRPO steps, the final model; a checkpoint every save_steps and when a signal asks the run to
+    stop."""
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
     G = cfg.num_generations
     per_rank = cfg.completions_per_rank
-    plan = preflight(cfg, world)
+    run_log = plan.run_log
     torch.manual_seed(cfg.seed)
     parts = setup(cfg, cfg.model)
     if plan.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
@@ -1054,12 +1107,11 @@ def train(cfg: Config, device: torch.device) -> None:
         rank0=True,
     )
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
-    pad_id = parts.tokenizer.pad_token_id or 0
-    run_log = RunLog(cfg, plan.first_step)
+    pad_id = plan.tokenizer.pad_token_id or 0
     warned_truncation = False
     for step in range(plan.first_step, cfg.max_steps):
         if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
-            return stop_and_save(parts, cfg, step, plan.first_step)
+            return stop_and_save(parts, plan, cfg, step)
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
@@ -1067,28 +1119,29 @@ def train(cfg: Config, device: torch.device) -> None:
         metrics = {"step": step}
         with timer("eval"):
             if eval_due(cfg, step):
-                metrics.update(evaluate(parts.llm, parts.tokenizer, plan, cfg, parts.tp_group, device))
+                metrics.update(evaluate(parts.llm, plan, cfg, parts.tp_group, device, step))
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
         examples = prompts_for_step(plan.source, step, per_rank // G, world)
         prompts = [example["prompt"] for example in examples]
-        prompt_ids, prompts_cut = encode_prompts(parts.tokenizer, prompts, cfg.max_prompt_length)
+        prompt_ids, prompts_cut = encode_prompts(plan.tokenizer, prompts, cfg.max_prompt_length)
         if prompts_cut and not warned_truncation:
             say(f"warning: rank {RANK}: {prompts_cut} prompts cut to --max_prompt_length tokens (prompts/truncated)")
             warned_truncation = True
         seed = step_seed(cfg.seed, step, RANK // tp)
         outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
         with timer("generate"):  # (decoding the texts)
-            rollouts = collect_rollouts(examples, prompt_ids, outputs, parts.tokenizer)
+            rollouts = collect_rollouts(examples, prompt_ids, outputs, plan.tokenizer)
         if parts.sleep_mode:
             with timer("sleep"):
                 sleep_vllm(parts.llm)  # what generation cached in torch's allocator, the trainer reuses
         # a safe point: the samples are dropped, and the resumed run draws them again, with the same seeds
         if stop_requested(device):
-            return stop_and_save(parts, cfg, step, plan.first_step)
+            return stop_and_save(parts, plan, cfg, step)
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
+        reward_log = RewardLog(step, cfg.max_steps)
         with timer("reward"):
-            rewards, by_function = score(rollouts, plan.reward_funcs, cfg.reward_weights, stats)
+            rewards, by_function = score(rollouts, plan.reward_funcs, cfg.reward_weights, stats, reward_log)
             advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards)
         # ---- 4. the policy update
         try:
@@ -1100,40 +1153,40 @@ def train(cfg: Config, device: torch.device) -> None:
         # ---- 5. the metrics of all ranks
         add_rollout_stats(stats, rollouts, group_std, prompts, prompts_cut)
         metrics.update(stats.reduce(device))
+        metrics.update(reward_log.metrics())
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
         if step == plan.first_step:
             metrics.update(parts.memory)
         run_log.metrics(metrics)
         if cfg.log_completions:
-            rows = completion_rows(rollouts, rewards, by_function, advantages)
+            rows = completion_rows(rollouts, rewards, by_function, advantages, reward_log.columns)
             run_log.completions(step, rows, show=eval_due(cfg, step))
         # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-            save_checkpoint(parts.engine, parts.tokenizer, cfg, step + 1)
+            save_checkpoint(parts.engine, plan.tokenizer, cfg, step + 1)
     # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
     if eval_due(cfg, 0) and not stop_requested(device):
         push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode)
-        evaluation = evaluate(parts.llm, parts.tokenizer, plan, cfg, parts.tp_group, device)
+        evaluation = evaluate(parts.llm, plan, cfg, parts.tp_group, device, cfg.max_steps)
         run_log.metrics({"step": cfg.max_steps, **evaluation})
         if parts.sleep_mode:
             sleep_vllm(parts.llm)
-    save_model(parts.engine.module, parts.tokenizer, os.path.join(cfg.output_dir, "final"))
+    save_model(parts.engine.module, plan.tokenizer, os.path.join(cfg.output_dir, "final"))
     say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
-    run_log.close()
 
 
 def eval_due(cfg: Config, step: int) -> bool:
     return cfg.eval_steps > 0 and cfg.num_eval_prompts > 0 and step % cfg.eval_steps == 0
 
 
-def stop_and_save(parts: Setup, cfg: Config, step: int, first_step: int) -> None:
+def stop_and_save(parts: Setup, plan: Plan, cfg: Config, step: int) -> None:
     """A signal asked the run to stop before `step`: save what the steps before it trained, unless saved already."""
-    if step == first_step:
+    if step == plan.first_step:
         say(f"stopped by a signal before step {step}: nothing new to save", rank0=True)
         return
     path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     if not (cfg.save_steps > 0 and step % cfg.save_steps == 0):  # (else saved after the last step already)
-        save_checkpoint(parts.engine, parts.tokenizer, cfg, step)
+        save_checkpoint(parts.engine, plan.tokenizer, cfg, step)
     say(f"stopped by a signal after step {step - 1}: saved {path}; resume with --resume latest", rank0=True)
 
 
@@ -1193,7 +1246,6 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
     cap = cfg.vllm_importance_sampling_clip_max
     reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]
     trackers = set(cfg.report_to) - {"none"}
-    missing = sorted(name for name in trackers if importlib.util.find_spec(name) is None)
     checks = [
         (tp >= 1 and world % tp == 0, f"{tp_option} must divide the number of processes ({world})"),
         (
@@ -1220,7 +1272,6 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
             trackers <= {"tensorboard", "wandb", "trackio"},
             f"--report_to {cfg.report_to}: expected none, tensorboard, wandb or trackio",
         ),
-        (not missing, f"--report_to: the {missing} package is not installed here (pip install it)"),
         (cfg.num_completions_to_print >= 0, "--num_completions_to_print must be >= 0"),
         (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
         (
@@ -1311,10 +1362,13 @@ def agree(check, *args):
 
 @dataclass
 class Plan:
-    """The run's data and reward functions, and the checkpoint it resumes from (if any) with the step that follows."""
+    """The run's data, reward functions, tokenizer and log, and the checkpoint it resumes from (if any) with the step
+    that follows."""
 
     source: ArithmeticTask | DatasetRows
     reward_funcs: dict  # {name in the metrics: function}
+    tokenizer: object = None
+    run_log: RunLog | None = None  # metrics.jsonl and the trackers
     resume_dir: str | None = None
     first_step: int = 0
 
@@ -1326,7 +1380,9 @@ def preflight(cfg: Config, world: int) -> Plan:
     job = f"job {os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', os.getpid())}"
     try:
         agree(check_options_and_claim_output_dir, cfg, world, job)
-        return agree(check_model_data_and_resume, cfg, world, job)
+        plan = agree(check_model_data_and_resume, cfg, world, job)
+        plan.run_log = agree(RunLog, cfg, plan.first_step)  # (on rank 0, the trackers start a run)
+        return plan
     except ConfigError:
         for lock_file in OUTPUT_DIR_LOCK:  # a refused run holds no lock (the process may go on, as in the tests)
             lock_file.close()
@@ -1383,7 +1439,8 @@ def lock_output_dir(output_dir: str, job: str) -> None:
 
 
 def earlier_run_files(output_dir: str) -> list[str]:
-    """What a run leaves in output_dir: its metrics, checkpoints (complete or cut short) and final model."""
+    """What a run leaves in output_dir: its logs, TensorBoard and wandb files, checkpoints (complete or cut short) and
+    final model."""
     names = [
         "metrics.jsonl",
         "completions.jsonl",
@@ -1409,10 +1466,36 @@ def check_model_data_and_resume(cfg: Config, world: int, job: str) -> Plan:
             "output_dir must be on a filesystem they all share (rank 0 writes the checkpoints)"
         )
     reward_funcs = {name.rpartition(".")[2]: reward_function(name) for name in cfg.reward_funcs}
-    plan = Plan(prompt_source(cfg), reward_funcs)
+    plan = Plan(prompt_source(cfg), reward_funcs, load_tokenizer(cfg.model))
+    check_prompts(plan.source, plan.tokenizer)
     if cfg.resume:
         plan.resume_dir, plan.first_step = find_checkpoint(cfg, world)
     return plan
+
+
+def load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().split("\n")[0][:160]
+        raise ConfigError(f"--model {model_path}: its tokenizer cannot be loaded ({first_line})") from None
+
+
+def check_prompts(source, tokenizer) -> None:
+    """The eval rows and the first training row through the chat template: a model without one, or a prompt that is
+    neither text nor a list of chat messages, is one line now rather than a traceback at step 0."""
+    for row in [*source.eval_rows, source[0]]:
+        try:
+            chat_prompt_ids(tokenizer, row["prompt"])
+        except Exception as e:
+            prompt = str(row["prompt"])[:60]
+            first_line = str(e).strip().split("\n")[0][:160]
+            raise ConfigError(
+                f"--dataset_name: the prompt {prompt!r} does not go through the model's chat template ({first_line}); "
+                "a prompt is text or a list of {'role', 'content'} messages"
+            ) from None
 
 
 # -------------------------------------------------------------------------------------- checkpoints
@@ -1675,24 +1758,31 @@ class RunLog:
         rows = [{"step": step, **row} for rank_rows in everyone for row in rank_rows]
         append_jsonl(self.completions_path, rows)
         for row in rows[: self.num_completions_to_print if show else 0]:
-            prompt = " ".join(row["prompt"].split())[-150:]  # (on one line, the end of a long one)
+            prompt = " ".join(str(row["prompt"]).split())[-150:]  # (on one line, the end of a long one)
             completion = " ".join(row["completion"].split())[:300]
-            say(f"  reward {row['reward']:.2f} | advantage {row['advantage']:+.2f} | {prompt} -> {completion}")
+            reward = "none" if row["reward"] is None else f"{row['reward']:.2f}"
+            say(f"  reward {reward} | advantage {row['advantage']:+.2f} | {prompt} -> {completion}")
 
     def close(self) -> None:
         for tracker in self.trackers:
             tracker.finish()
 
 
-def completion_rows(r: Rollouts, rewards, by_function: dict, advantages) -> list[dict]:
+def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_columns: dict) -> list[dict]:
     """This rank's samples of a step as rows for completions.jsonl: the prompt's last message, the completion, its
-    rewards and advantage."""
+    rewards (None where unscored: JSON has no NaN) and advantage, and the columns reward functions logged."""
     rows = []
     for i, (row, text) in enumerate(zip(r.rows, r.texts, strict=True)):
         prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
         record = {"prompt": prompt, "completion": text, "reward": rewards[i].item(), "advantage": advantages[i].item()}
         for name, values in by_function.items():
             record[f"rewards/{name}"] = values[i].item()
+        for name, value in record.items():
+            if isinstance(value, float) and math.isnan(value):
+                record[name] = None
+        for column, values in extra_columns.items():
+            if len(values) == len(r.rows):  # (one value per sample, as log_extra promises)
+                record[column] = values[i]
         rows.append(record)
     return rows
 
@@ -1718,6 +1808,9 @@ class TensorBoardRun:
 def open_tracker(name: str, cfg: Config, first_step: int):
     """A new run in one tracker of --report_to, with log(metrics, step=) and finish(). wandb and trackio take their
     project from WANDB_PROJECT / TRACKIO_PROJECT (default grpo-colocate); WANDB_MODE=offline keeps wandb local."""
+    package = "tensorboard" if name == "tensorboard" else name
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(f"--report_to {name}: the {package} package is not installed here (pip install {package})")
     if name == "tensorboard":
         return TensorBoardRun(os.path.join(cfg.output_dir, "tensorboard"), first_step)
     tracker = importlib.import_module(name)  # wandb or trackio: trackio copies wandb's API
@@ -1727,17 +1820,19 @@ def open_tracker(name: str, cfg: Config, first_step: int):
 
 
 def keep_steps_before(path: str, first_step: int) -> None:
-    """Keep a resumed run's lines of the steps before first_step in a .jsonl log, or start it empty."""
+    """Keep a resumed run's lines of the steps before first_step in a .jsonl log. (A new run finds none: preflight
+    removed another run's, and the first record creates the file.)"""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
     kept = []
-    if first_step and os.path.exists(path):
-        with open(path) as f:
-            lines = f.readlines()
-        for line in lines:
-            try:
-                if json.loads(line)["step"] < first_step:
-                    kept.append(line)
-            except (json.JSONDecodeError, KeyError, TypeError):  # cut short by a crash mid-write
-                say(f"warning: {path}: dropped a line that is not a complete record: {line[:80]!r}")
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < first_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):  # cut short by a crash mid-write
+            say(f"warning: {path}: dropped a line that is not a complete record: {line[:80]!r}")
     with open(path, "w") as f:
         f.writelines(kept)
 
@@ -1765,7 +1860,11 @@ def main(argv: list[str] | None = None) -> None:
         # several groups that mostly never communicate: 2.3 GiB per GPU that sleep cannot give back.
         dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)
     try:
-        train(cfg, device)
+        plan = preflight(cfg, dist.get_world_size())
+        try:
+            train(cfg, plan, device)
+        finally:
+            plan.run_log.close()  # the trackers' runs end, however the training ended
         dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
     except (ConfigError, NonFiniteError) as e:  # agreed by every rank: one line each, no traceback
         say(f"error: {e}")

@@ -356,6 +356,32 @@ def test_conversational_prompts_go_through_the_chat_template_as_they_are(tmp_pat
     assert g.chat_prompt_ids(tok, "What is 2 + 3?") == g.chat_prompt_ids(
         tok, [{"role": "user", "content": "What is 2 + 3?"}]
     )
+    # ending with an assistant message: the completion continues it (no new assistant header, no end of turn)
+    started = [*other, {"role": "assistant", "content": "1 + 1 ="}]
+    ids = g.chat_prompt_ids(tok, started)
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n1 + 1 =")
+    assert ids[: len(g.chat_prompt_ids(tok, other))] == g.chat_prompt_ids(tok, other)
+
+
+def test_prompts_the_chat_template_cannot_take_are_refused_in_preflight(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    good = g.prompt_source(g.Config(num_eval_prompts=2))
+    g.check_prompts(good, tok)
+    bad = [{"prompt": [{"content": "no role"}], "answer": "1"}] + [{"prompt": [{"role": "user", "content": "q"}]}] * 3
+    source = g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "bad.jsonl", bad), num_eval_prompts=1))
+    with pytest.raises(g.ConfigError, match="the prompt .* does not go through the model's chat template"):
+        g.check_prompts(source, tok)
+    with pytest.raises(g.ConfigError, match="--model .*: its tokenizer cannot be loaded \\("):
+        g.load_tokenizer(tiny_llama_folder(tmp_path / "no_tokenizer"))
+    tok.chat_template = None  # a base model without one
+    with pytest.raises(g.ConfigError, match="does not go through the model's chat template \\(.*chat.template"):
+        g.check_prompts(good, tok)
+    # a row without a prompt, anywhere in the data
+    rows = [{"prompt": f"q{i}", "answer": "1"} for i in range(5)] + [{"prompt": None, "answer": "1"}]
+    with pytest.raises(g.ConfigError, match="--dataset_name: row 5 has no prompt \\(None\\)"):
+        g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "none.jsonl", rows), num_eval_prompts=1))
 
 
 @pytest.mark.parametrize(
@@ -460,9 +486,40 @@ def test_reward_functions_get_what_trl_gives_them():
         "completion_ids": [[5, 6], [7]],
         "solution": ["a", "b"],
         "level": [1, 2],
-        "extra": [],
+        "extra": ["log_extra", "log_metric", "trainer_state"],
     }
     assert total.tolist() == [2.0, 0.0] and by_function["spy"].tolist() == [1.0, 0.0]
+
+
+def test_trainer_state_log_metric_and_log_extra_as_in_trl():
+    """A reward function reads the step from trainer_state, logs a metric (its mean goes into the step's metrics)
+    and a column (into completions.jsonl's rows)."""
+
+    def curriculum(completions, trainer_state, log_metric, log_extra, **kwargs):
+        lengths = [len(c) for c in completions]
+        log_metric("mean_chars", sum(lengths) / len(lengths))
+        log_extra("chars", lengths)
+        return [float(trainer_state.global_step >= trainer_state.max_steps // 2)] * len(completions)
+
+    r = rollouts(["ab", "abcd"], [{"prompt": "p"}, {"prompt": "p"}])
+    for step, expected in [(1, 0.0), (5, 1.0)]:
+        log = g.RewardLog(step, max_steps=10)
+        total, by_function = g.score(r, {"curriculum": curriculum}, [1.0], g.Stats(), log)
+        assert total.tolist() == [expected, expected]
+        assert log.metrics() == {"mean_chars": 3.0}
+    rows = g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)
+    assert [row["chars"] for row in rows] == [2, 4]
+    # and a sample no reward could score is null in the JSON log (JSON has no NaN)
+    total[0] = math.nan
+    rows = g.completion_rows(r, total, {"curriculum": total}, torch.zeros(2), {})
+    assert rows[0]["reward"] is None and rows[0]["rewards/curriculum"] is None and rows[1]["reward"] == 1.0
+    assert json.loads(json.dumps(rows[0], allow_nan=False))["reward"] is None
+
+
+def test_a_column_named_like_a_reward_argument_is_refused(tmp_path):
+    path = write_dataset(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "completions": "x"} for i in range(3)])
+    with pytest.raises(g.ConfigError, match="the column 'completions' has the name of a reward argument"):
+        g.prompt_source(g.Config(dataset_name=path, reward_funcs=["brevity"], num_eval_prompts=1))
 
 
 def test_reward_funcs_by_name_or_import_path(tmp_path, monkeypatch):
@@ -508,6 +565,12 @@ def test_a_failing_reward_is_left_out_and_counted(capsys):
         return [np.float32(0.5), np.int64(1), True]
 
     assert g.safe_rewards(numpy_values, {"completions": ["x", "y", "z"]}) == ([0.5, 1.0, 1.0], [])
+
+    def array_values(completions):  # numpy's bools and 0-d tensors count too; a tensor of several values does not
+        return [np.bool_(True), torch.tensor(0.25), torch.tensor([1.0, 2.0])]
+
+    values, problems = g.safe_rewards(array_values, {"completions": ["x", "y", "z"]})
+    assert values[:2] == [1.0, 0.25] and math.isnan(values[2]) and problems == ["returned tensor([1., 2.])"]
     assert g.safe_rewards(picky, {"completions": [], "answer": []}) == ([], [])  # (a rank without eval rows)
     r = rollouts(["ok", "boom", "<answer>1</answer>"], [{"prompt": "p", "answer": "1"}] * 3)
     stats = g.Stats()
@@ -834,8 +897,9 @@ def _eval_worker(rank, world, port, tp, num_rows, q):
     cfg = g.Config(per_device_train_batch_size=2, gradient_accumulation_steps=1, num_generations=2)
     cfg.vllm_tensor_parallel_size = tp
     engine = EchoEngine()
-    plan = g.Plan(SimpleNamespace(eval_rows=rows), {"correctness": g.correctness_reward, "format": g.format_reward})
-    metrics = g.evaluate(engine, CharTokenizer(), plan, cfg, group, torch.device("cpu"))
+    reward_funcs = {"correctness": g.correctness_reward, "format": g.format_reward}
+    plan = g.Plan(SimpleNamespace(eval_rows=rows), reward_funcs, CharTokenizer())
+    metrics = g.evaluate(engine, plan, cfg, group, torch.device("cpu"), 0)
     q.put((rank, (metrics, engine.batches)))
     dist.barrier()
     dist.destroy_process_group()
@@ -1061,7 +1125,7 @@ def test_validation_names_the_option(override, world, message):
     assert message in str(e.value)
 
 
-def test_a_tracker_is_imported_only_when_asked_for_and_must_be_installed(monkeypatch):
+def test_a_tracker_is_imported_only_when_asked_for_and_must_be_installed(monkeypatch, tmp_path):
     import importlib.util
 
     find_spec = importlib.util.find_spec
@@ -1072,11 +1136,11 @@ def test_a_tracker_is_imported_only_when_asked_for_and_must_be_installed(monkeyp
         return None if name == "wandb" else find_spec(name, *args)
 
     monkeypatch.setattr(importlib.util, "find_spec", without_wandb)
-    g.validate_options(g.Config(), 1, on_gpu=False)
+    g.RunLog(g.Config(output_dir=str(tmp_path)), 0).close()
     assert asked == []  # none asked for: none looked up
-    g.validate_options(g.Config(report_to=["tensorboard"]), 1, on_gpu=False)
-    with pytest.raises(g.ConfigError, match="--report_to: the \\['wandb'\\] package is not installed here"):
-        g.validate_options(g.Config(report_to=["tensorboard", "wandb"]), 1, on_gpu=False)
+    g.RunLog(g.Config(output_dir=str(tmp_path), report_to=["tensorboard"]), 0).close()
+    with pytest.raises(g.ConfigError, match="--report_to wandb: the wandb package is not installed here"):
+        g.RunLog(g.Config(output_dir=str(tmp_path), report_to=["tensorboard", "wandb"]), 0)
     # importing the script imports no tracker (nor datasets): open_tracker does, on rank 0, when asked
     probe = (
         "import sys, grpo_colocate; print(sorted({'wandb', 'trackio', 'tensorboard', 'datasets'} & set(sys.modules)))"
@@ -1366,8 +1430,11 @@ def test_preflight_output_dir_writable_shared_and_one_run_at_a_time(tmp_path):
     unless the run resumes it or is told to overwrite it; a lock dies with the process that held it."""
     import fcntl
 
+    from transformers import AutoTokenizer
+
     (tmp_path / "a_file").write_text("x")
     model = tiny_llama_folder(tmp_path / "model")
+    AutoTokenizer.from_pretrained(smollm2_path()).save_pretrained(model)  # (preflight puts a prompt through it)
     for name in ("done", "replaced"):  # a finished run's folder
         fake_checkpoint(tmp_path / name / "checkpoint-2", 2, world=2)
         (tmp_path / name / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
@@ -2293,10 +2360,14 @@ def accuracy_reward(completions, solution, **kwargs):
     return [None if s is None else float(s in c) for c, s in zip(contents, solution)]
 
 
-def short_reward(completions, prompts, completion_ids, **kwargs):
+def short_reward(completions, prompts, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
     with open(os.environ["SPY"] + os.environ["RANK"], "w") as f:  # what this rank's last call received
-        json.dump({"prompts": prompts[:1], "completion_ids": completion_ids[:1], "columns": sorted(kwargs)}, f)
-    return [max(0.0, 1 - len(completion[0]["content"]) / 500) for completion in completions]
+        seen = {"prompts": prompts[:1], "completion_ids": completion_ids[:1], "columns": sorted(kwargs)}
+        json.dump({**seen, "step": trainer_state.global_step}, f)
+    lengths = [len(completion[0]["content"]) for completion in completions]
+    log_metric("short/mean_chars", sum(lengths) / len(lengths))
+    log_extra("chars", lengths)
+    return [max(0.0, 1 - n / 500) for n in lengths]
 """
 
 
@@ -2355,9 +2426,11 @@ def test_e2e_trl_data_rewards_and_trackers(tiny_tp_model, tmp_path):
     train = [m for m in metrics if "loss" in m]
     assert all(m["rewards/failures"] == 0 and "rewards/accuracy_reward" in m for m in train)
     assert all(0 < m["rewards/short_reward"] <= 1 for m in train)
+    assert all(m["short/mean_chars"] > 0 for m in train)  # what the function logged with log_metric
     for rank in range(2):
         seen = json.loads((tmp_path / f"spy{rank}").read_text())
         assert seen["prompts"][0][0]["role"] == "user" and seen["columns"] == ["solution"]
+        assert seen["step"] == 3  # the last call: the final eval, after step 2
         assert all(isinstance(t, int) for t in seen["completion_ids"][0])
     # completions.jsonl: every rank's 8 samples of every step; 2 printed at each eval (steps 0 and 2)
     logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
@@ -2365,6 +2438,8 @@ def test_e2e_trl_data_rewards_and_trackers(tiny_tp_model, tmp_path):
     step0 = [row for row in logged if row["step"] == 0]
     assert sum(row["reward"] for row in step0) / 16 == pytest.approx(train[0]["reward"], abs=1e-5)
     assert {"prompt", "completion", "advantage", "rewards/accuracy_reward", "rewards/short_reward"} <= set(step0[0])
+    assert all(isinstance(row["chars"], int) for row in logged)  # the column it logged with log_extra
+    assert any(row["rewards/accuracy_reward"] is None for row in logged)  # the row it could not score
     assert len(re.findall(r"^  reward [-\d.]+ \| advantage [-+]\d", log, re.M)) == 4, log[-3000:]
     # the trackers
     expected = {m["step"]: m["reward"] for m in train}

@@ -69,14 +69,12 @@ def main() -> None:
         dist.barrier()
         sys.exit(2)
     model_path, source = cfg.model, start.source
-    from transformers import AutoTokenizer
-
     tp_group = None
     if tp > 1:  # all ranks join
         tp_group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0]
     dtype = torch.bfloat16 if on_gpu else torch.float32
     llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = start.tokenizer
     examples = g.prompts_for_step(source, args.step, per_rank // G, world)
     prompt_ids, _ = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
     sampling = g.sampling_params(G, cfg.temperature, cfg.max_completion_length)
