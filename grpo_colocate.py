@@ -54,7 +54,6 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -265,9 +264,12 @@ class DatasetRows:
         self.eval_rows = dataset.select(range(num_eval)).to_list()
         held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
         prompts = list(dataset["prompt"])
-        empty = [i for i, prompt in enumerate(prompts) if not prompt]
-        if empty:
-            raise ConfigError(f"--dataset_name: row {empty[0]} has no prompt ({prompts[empty[0]]!r})")
+        bad = [i for i, prompt in enumerate(prompts) if not is_prompt(prompt)]
+        if bad:
+            raise ConfigError(
+                f"--dataset_name: row {bad[0]}'s prompt {str(prompts[bad[0]])[:80]!r} is neither text nor a list of "
+                "{'role', 'content'} messages"
+            )
         self.train_indices = [i for i in range(num_eval, len(dataset)) if prompt_key(prompts[i]) not in held_out]
         if not self.train_indices:
             raise ConfigError(
@@ -283,6 +285,15 @@ class DatasetRows:
             size = len(self.train_indices)
             self.order = random.Random(f"{self.seed}:epoch{epoch}").sample(range(size), size)
         return self.dataset[self.train_indices[self.order[position]]]
+
+
+def is_prompt(prompt) -> bool:
+    """Non-empty text, or a non-empty list of chat messages, each with a role and content."""
+    if isinstance(prompt, str):
+        return bool(prompt)
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    return all(isinstance(m, dict) and m.get("role") and m.get("content") is not None for m in prompt)
 
 
 def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
@@ -461,26 +472,35 @@ def reward_kwargs(r: Rollouts) -> dict[str, list]:
 
 
 class RewardLog:
-    """The rest of TRL's reward arguments: trainer_state (its global_step and max_steps), and log_metric(name, value)
-    and log_extra(column, values), whose means (rank 0's, as TRL logs them) go into the step's metrics and whose
-    columns go into completions.jsonl."""
+    """The rest of TRL's reward arguments, for one step (or one eval): trainer_state (transformers' TrainerState, its
+    global_step and max_steps set), log_metric(name, value), whose mean over every call on every rank goes into the
+    metrics, and log_extra(column, values), one value per sample, whose columns go into completions.jsonl."""
 
     def __init__(self, step: int = 0, max_steps: int = 0):
-        self.trainer_state = SimpleNamespace(global_step=step, max_steps=max_steps)
+        from transformers import TrainerState
+
+        self.trainer_state = TrainerState(global_step=step, max_steps=max_steps)
         self.logged = defaultdict(list)
-        self.columns = {}
+        self.columns = defaultdict(list)
 
     def log_metric(self, name: str, value: float) -> None:
         self.logged[name].append(float(value))
 
     def log_extra(self, column: str, values: list) -> None:
-        self.columns[column] = list(values)
+        self.columns[column].extend(values)  # (as TRL: each call extends the column)
 
     def kwargs(self) -> dict:
         return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
 
     def metrics(self) -> dict[str, float]:
-        return {name: sum(values) / len(values) for name, values in self.logged.items()}
+        """The mean of each logged name over all ranks' calls (a collective: every rank calls it at the same point)."""
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, dict(self.logged))
+        values = defaultdict(list)
+        for logged in everyone:
+            for name, rank_values in logged.items():
+                values[name].extend(rank_values)
+        return {name: sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tuple[list[float], list[str]]:
@@ -515,8 +535,8 @@ def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tup
 
 
 def as_reward(value) -> float:
-    """A reward function's value as a float: Python, numpy or 0-d torch numbers, bools too; NaN for None and the
-    rest."""
+    """A reward function's value as a float: anything float() takes (Python, numpy and torch numbers and bools, a
+    one-element array) but text; NaN for None and the rest."""
     if value is None or isinstance(value, str):
         return math.nan
     try:
@@ -527,7 +547,7 @@ def as_reward(value) -> float:
 
 
 def score(
-    r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, log: RewardLog | None = None, prefix=""
+    r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, log: RewardLog | None = None, prefix: str = ""
 ):
     """The weighted total reward [B] over the functions that could score each sample (NaN where none could), and
     each function's rewards {name: [B]}; each one's mean over the samples it scored, and its failures, go into
@@ -1047,8 +1067,9 @@ class Setup:
     memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
 
 
-def setup(cfg: Config, model_path: str) -> Setup:
-    """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer and the optional reference."""
+def setup(cfg: Config, plan: Plan) -> Setup:
+    """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (with the state of the checkpoint it
+    resumes from) and the optional reference."""
     import deepspeed
     import deepspeed.ops
 
@@ -1065,7 +1086,7 @@ def setup(cfg: Config, model_path: str) -> Setup:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")  # joins our process group
     free_before = torch.cuda.mem_get_info()[0] if ON_GPU else 0
-    llm = build_vllm(cfg, model_path, sleep_mode, dtype)
+    llm = build_vllm(cfg, cfg.model, sleep_mode, dtype)
     wake_bytes = 0
     memory = {}
     if sleep_mode:  # what vLLM holds awake and what sleep gives back, from the device's free memory
@@ -1082,30 +1103,28 @@ def setup(cfg: Config, model_path: str) -> Setup:
         asleep_gib = asleep / 2**30
         say(f"vLLM holds {awake_gib:.2f} GiB awake (KV cache: one step's batch), {asleep_gib:.2f} asleep", rank0=True)
     ds_config = fill_ds_config(cfg, world, bf16=ON_GPU)
-    engine = build_trainer(cfg, model_path, ds_config, dtype)
-    ref = build_trainer(cfg, model_path, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
+    engine = build_trainer(cfg, cfg.model, ds_config, dtype)
+    ref = build_trainer(cfg, cfg.model, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
+    if plan.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
+        engine.load_checkpoint(os.path.join(plan.resume_dir, "deepspeed"), tag="state")
+        say(f"resumed from {plan.resume_dir}: continuing at step {plan.first_step}", rank0=True)
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
+    per_rank = cfg.completions_per_rank
+    G = cfg.num_generations
+    say(
+        f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step ({per_rank // G} prompts "
+        f"x {G}) | sleep mode {sleep_mode} | {engine.module.dtype}",
+        rank0=True,
+    )
     return Setup(llm, engine, ref, tp_group, sleep_mode, wake_bytes, memory)
 
 
-def train(cfg: Config, plan: Plan, device: torch.device) -> None:
-    """Set-up, max_steps GRPO steps, the final model; a checkpoint every save_steps and when a signal asks the run to
-    stop."""
+def train(cfg: Config, plan: Plan, parts: Setup, run_log: RunLog, device: torch.device) -> None:
+    """max_steps GRPO steps, the final model; a checkpoint every save_steps and when a signal asks the run to stop."""
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
     G = cfg.num_generations
     per_rank = cfg.completions_per_rank
-    run_log = plan.run_log
-    torch.manual_seed(cfg.seed)
-    parts = setup(cfg, cfg.model)
-    if plan.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
-        parts.engine.load_checkpoint(os.path.join(plan.resume_dir, "deepspeed"), tag="state")
-        say(f"resumed from {plan.resume_dir}: continuing at step {plan.first_step}", rank0=True)
-    say(
-        f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step ({per_rank // G} prompts "
-        f"x {G}) | sleep mode {parts.sleep_mode} | {parts.engine.module.dtype}",
-        rank0=True,
-    )
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
     pad_id = plan.tokenizer.pad_token_id or 0
     warned_truncation = False
@@ -1362,27 +1381,24 @@ def agree(check, *args):
 
 @dataclass
 class Plan:
-    """The run's data, reward functions, tokenizer and log, and the checkpoint it resumes from (if any) with the step
-    that follows."""
+    """The run's data, reward functions and tokenizer, and the checkpoint it resumes from (if any) with the step that
+    follows."""
 
     source: ArithmeticTask | DatasetRows
     reward_funcs: dict  # {name in the metrics: function}
     tokenizer: object = None
-    run_log: RunLog | None = None  # metrics.jsonl and the trackers
     resume_dir: str | None = None
     first_step: int = 0
 
 
 def preflight(cfg: Config, world: int) -> Plan:
-    """Every check that needs no GPU work, each with one verdict for all ranks, and the run's data and resume point.
-    Rank 0 alone writes the metrics and the checkpoints' shared files, so every rank must see output_dir as rank 0
-    does (several nodes: a shared filesystem): each must find rank 0's lock file there, naming this job."""
+    """Every check that needs no GPU work, each with one verdict for all ranks; the run's data, tokenizer and resume
+    point. Rank 0 alone writes the metrics and the checkpoints' shared files, so every rank must see output_dir as rank
+    0 does (several nodes: a shared filesystem): each must find rank 0's lock file there, naming this job."""
     job = f"job {os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', os.getpid())}"
     try:
         agree(check_options_and_claim_output_dir, cfg, world, job)
-        plan = agree(check_model_data_and_resume, cfg, world, job)
-        plan.run_log = agree(RunLog, cfg, plan.first_step)  # (on rank 0, the trackers start a run)
-        return plan
+        return agree(check_model_data_and_resume, cfg, world, job)
     except ConfigError:
         for lock_file in OUTPUT_DIR_LOCK:  # a refused run holds no lock (the process may go on, as in the tests)
             lock_file.close()
@@ -1391,10 +1407,14 @@ def preflight(cfg: Config, world: int) -> Plan:
 
 
 def check_options_and_claim_output_dir(cfg: Config, world: int, job: str) -> None:
-    """The options; then on rank 0: output_dir writable, locked for this job, and free of another run's files."""
+    """The options; then on rank 0: the trackers' packages, output_dir writable, locked for this job, and free of
+    another run's files."""
     validate_options(cfg, world, ON_GPU)
     if RANK != 0:
         return
+    for name in set(cfg.report_to) - {"none"}:  # (rank 0 alone logs to them)
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"--report_to {name}: the {name} package is not installed here (pip install {name})")
     try:
         os.makedirs(cfg.output_dir, exist_ok=True)
         lock_output_dir(cfg.output_dir, job)
@@ -1738,7 +1758,14 @@ class RunLog:
             keep_steps_before(self.metrics_path, first_step)
             if cfg.log_completions:
                 keep_steps_before(self.completions_path, first_step)
-            self.trackers = [open_tracker(name, cfg, first_step) for name in cfg.report_to if name != "none"]
+            for name in cfg.report_to:
+                if name == "none":
+                    continue
+                try:
+                    self.trackers.append(open_tracker(name, cfg, first_step))
+                except Exception:
+                    self.close()  # the runs already started end (an exit after a refused start skips atexit)
+                    raise
 
     def metrics(self, m: dict) -> None:
         if RANK != 0:
@@ -1777,13 +1804,18 @@ def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_c
         record = {"prompt": prompt, "completion": text, "reward": rewards[i].item(), "advantage": advantages[i].item()}
         for name, values in by_function.items():
             record[f"rewards/{name}"] = values[i].item()
+        for column, values in extra_columns.items():
+            if len(values) == len(r.rows):  # (one value per sample; see below)
+                record[column] = values[i]
         for name, value in record.items():
             if isinstance(value, float) and math.isnan(value):
                 record[name] = None
-        for column, values in extra_columns.items():
-            if len(values) == len(r.rows):  # (one value per sample, as log_extra promises)
-                record[column] = values[i]
         rows.append(record)
+    for column, values in extra_columns.items():
+        if len(values) != len(r.rows):
+            say(
+                f"warning: rank {RANK}: log_extra({column!r}): {len(values)} values, {len(r.rows)} samples: not logged"
+            )
     return rows
 
 
@@ -1808,9 +1840,6 @@ class TensorBoardRun:
 def open_tracker(name: str, cfg: Config, first_step: int):
     """A new run in one tracker of --report_to, with log(metrics, step=) and finish(). wandb and trackio take their
     project from WANDB_PROJECT / TRACKIO_PROJECT (default grpo-colocate); WANDB_MODE=offline keeps wandb local."""
-    package = "tensorboard" if name == "tensorboard" else name
-    if importlib.util.find_spec(package) is None:
-        raise ConfigError(f"--report_to {name}: the {package} package is not installed here (pip install {package})")
     if name == "tensorboard":
         return TensorBoardRun(os.path.join(cfg.output_dir, "tensorboard"), first_step)
     tracker = importlib.import_module(name)  # wandb or trackio: trackio copies wandb's API
@@ -1839,7 +1868,15 @@ def keep_steps_before(path: str, first_step: int) -> None:
 
 def append_jsonl(path: str, records: list[dict]) -> None:
     with open(path, "a") as f:
-        f.writelines(json.dumps(record) + "\n" for record in records)
+        f.writelines(json.dumps(record, default=json_value) + "\n" for record in records)
+
+
+def json_value(value):
+    """What json cannot write itself, e.g. a value a reward function logged: numpy and torch numbers and arrays as
+    numbers and lists, anything else as its text."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -1861,10 +1898,14 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)
     try:
         plan = preflight(cfg, dist.get_world_size())
+        torch.manual_seed(cfg.seed)
+        parts = setup(cfg, plan)
+        # on rank 0 the trackers start a run now that set-up worked; a failure there stops every rank with one line
+        run_log = agree(RunLog, cfg, plan.first_step)
         try:
-            train(cfg, plan, device)
+            train(cfg, plan, parts, run_log, device)
         finally:
-            plan.run_log.close()  # the trackers' runs end, however the training ended
+            run_log.close()  # the trackers' runs end, however the training ended
         dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
     except (ConfigError, NonFiniteError) as e:  # agreed by every rank: one line each, no traceback
         say(f"error: {e}")

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -369,19 +370,34 @@ def test_prompts_the_chat_template_cannot_take_are_refused_in_preflight(tmp_path
     tok = AutoTokenizer.from_pretrained(smollm2_path())
     good = g.prompt_source(g.Config(num_eval_prompts=2))
     g.check_prompts(good, tok)
-    bad = [{"prompt": [{"content": "no role"}], "answer": "1"}] + [{"prompt": [{"role": "user", "content": "q"}]}] * 3
-    source = g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "bad.jsonl", bad), num_eval_prompts=1))
-    with pytest.raises(g.ConfigError, match="the prompt .* does not go through the model's chat template"):
+    rows = [{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": f"q{i}"}]} for i in range(4)]
+    path = write_dataset(tmp_path / "sys.jsonl", rows)
+    source = g.prompt_source(g.Config(dataset_name=path, reward_funcs=["brevity"], num_eval_prompts=1))
+    g.check_prompts(source, tok)
+    template = tok.chat_template
+    # a template that refuses a role, as some refuse the system role
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(
+        g.ConfigError, match="the prompt .* does not go through the model's chat template \\(no system"
+    ):
         g.check_prompts(source, tok)
+    tok.chat_template = template
     with pytest.raises(g.ConfigError, match="--model .*: its tokenizer cannot be loaded \\("):
         g.load_tokenizer(tiny_llama_folder(tmp_path / "no_tokenizer"))
     tok.chat_template = None  # a base model without one
     with pytest.raises(g.ConfigError, match="does not go through the model's chat template \\(.*chat.template"):
         g.check_prompts(good, tok)
-    # a row without a prompt, anywhere in the data
+    # a row without a prompt, or with a message without a role, anywhere in the data
     rows = [{"prompt": f"q{i}", "answer": "1"} for i in range(5)] + [{"prompt": None, "answer": "1"}]
-    with pytest.raises(g.ConfigError, match="--dataset_name: row 5 has no prompt \\(None\\)"):
+    with pytest.raises(g.ConfigError, match="--dataset_name: row 5's prompt 'None' is neither text nor a list of"):
         g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "none.jsonl", rows), num_eval_prompts=1))
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": "1"} for i in range(5)]
+    rows.append({"prompt": [{"content": "q"}], "answer": "1"})
+    with pytest.raises(g.ConfigError, match="--dataset_name: row 5's prompt .* is neither text nor a list of"):
+        g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "role.jsonl", rows), num_eval_prompts=1))
 
 
 @pytest.mark.parametrize(
@@ -491,24 +507,42 @@ def test_reward_functions_get_what_trl_gives_them():
     assert total.tolist() == [2.0, 0.0] and by_function["spy"].tolist() == [1.0, 0.0]
 
 
-def test_trainer_state_log_metric_and_log_extra_as_in_trl():
-    """A reward function reads the step from trainer_state, logs a metric (its mean goes into the step's metrics)
-    and a column (into completions.jsonl's rows)."""
+def curriculum_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
+    """Rewards only from half-way (trainer_state); logs the mean length (log_metric) and each length (log_extra)."""
+    lengths = [len(c) for c in completions]
+    log_metric("mean_chars", sum(lengths) / len(lengths))
+    log_extra("chars", [np.int64(n) for n in lengths])  # numpy numbers, as reward code often has
+    return [float(trainer_state.global_step >= trainer_state.max_steps // 2)] * len(completions)
 
-    def curriculum(completions, trainer_state, log_metric, log_extra, **kwargs):
-        lengths = [len(c) for c in completions]
-        log_metric("mean_chars", sum(lengths) / len(lengths))
-        log_extra("chars", lengths)
-        return [float(trainer_state.global_step >= trainer_state.max_steps // 2)] * len(completions)
 
+def _reward_log_worker(rank, world, port, q):
+    join_group(rank, world, port)
+    texts = ["ab", "abcd"] if rank == 0 else ["abcdefghij"]  # mean lengths 3 and 10
+    log = g.RewardLog(step=5, max_steps=10)
+    g.score(rollouts(texts, [{"prompt": "p"}] * len(texts)), {"curriculum": curriculum_reward}, [1.0], g.Stats(), log)
+    if rank == 1:
+        log.log_metric("rank1_only", 7.0)  # a name only some ranks log
+    q.put((rank, log.metrics()))
+    dist.destroy_process_group()
+
+
+def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
+    """A reward function reads the step from trainer_state, logs a metric (its mean over every rank's calls goes into
+    the step's metrics) and a column (into completions.jsonl's rows, as plain JSON numbers)."""
     r = rollouts(["ab", "abcd"], [{"prompt": "p"}, {"prompt": "p"}])
     for step, expected in [(1, 0.0), (5, 1.0)]:
         log = g.RewardLog(step, max_steps=10)
-        total, by_function = g.score(r, {"curriculum": curriculum}, [1.0], g.Stats(), log)
-        assert total.tolist() == [expected, expected]
-        assert log.metrics() == {"mean_chars": 3.0}
+        total, by_function = g.score(r, {"curriculum": curriculum_reward}, [1.0], g.Stats(), log)
+        assert total.tolist() == [expected, expected] and log.logged == {"mean_chars": [3.0]}
+    assert log.trainer_state.epoch == 0  # a real TrainerState: TRL rewards may read its other fields
     rows = g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)
-    assert [row["chars"] for row in rows] == [2, 4]
+    g.append_jsonl(str(tmp_path / "c.jsonl"), rows)
+    assert [row["chars"] for row in read_jsonl(tmp_path / "c.jsonl")] == [2, 4]
+    for metrics in run_workers(_reward_log_worker, 2).values():
+        assert metrics == {"mean_chars": 6.5, "rank1_only": 7.0}
+    # a column with one value per call, not per sample (two calls here) is left out, with a warning
+    log.log_extra("chars", [1, 2])
+    assert "chars" not in g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)[0]
     # and a sample no reward could score is null in the JSON log (JSON has no NaN)
     total[0] = math.nan
     rows = g.completion_rows(r, total, {"curriculum": total}, torch.zeros(2), {})
@@ -1136,11 +1170,22 @@ def test_a_tracker_is_imported_only_when_asked_for_and_must_be_installed(monkeyp
         return None if name == "wandb" else find_spec(name, *args)
 
     monkeypatch.setattr(importlib.util, "find_spec", without_wandb)
-    g.RunLog(g.Config(output_dir=str(tmp_path)), 0).close()
-    assert asked == []  # none asked for: none looked up
-    g.RunLog(g.Config(output_dir=str(tmp_path), report_to=["tensorboard"]), 0).close()
-    with pytest.raises(g.ConfigError, match="--report_to wandb: the wandb package is not installed here"):
-        g.RunLog(g.Config(output_dir=str(tmp_path), report_to=["tensorboard", "wandb"]), 0)
+    monkeypatch.setattr(g, "RANK", 0)  # (rank 0 alone logs: it alone needs the packages)
+    earlier = tmp_path / "earlier"
+    fake_checkpoint(earlier / "checkpoint-2", 2, world=1)  # another run's, which --overwrite_output_dir would delete
+    for report_to, error in [(["none"], None), (["tensorboard"], None), (["tensorboard", "wandb"], "wandb")]:
+        cfg = g.Config(output_dir=str(earlier), report_to=report_to, overwrite_output_dir=error is not None)
+        if error:
+            with pytest.raises(g.ConfigError, match="--report_to wandb: the wandb package is not installed here"):
+                g.check_options_and_claim_output_dir(cfg, 1, "job t")
+            assert os.path.isdir(earlier / "checkpoint-2")  # refused before anything was deleted
+        else:
+            cfg.output_dir = str(tmp_path / "new")
+            g.check_options_and_claim_output_dir(cfg, 1, "job t")
+        if report_to == ["none"]:
+            assert asked == []  # none asked for: none looked up
+        for lock_file in g.OUTPUT_DIR_LOCK:
+            lock_file.close()
     # importing the script imports no tracker (nor datasets): open_tracker does, on rank 0, when asked
     probe = (
         "import sys, grpo_colocate; print(sorted({'wandb', 'trackio', 'tensorboard', 'datasets'} & set(sys.modules)))"
@@ -2427,6 +2472,7 @@ def test_e2e_trl_data_rewards_and_trackers(tiny_tp_model, tmp_path):
     assert all(m["rewards/failures"] == 0 and "rewards/accuracy_reward" in m for m in train)
     assert all(0 < m["rewards/short_reward"] <= 1 for m in train)
     assert all(m["short/mean_chars"] > 0 for m in train)  # what the function logged with log_metric
+    assert all(m["eval/short/mean_chars"] > 0 for m in metrics if "eval/reward" in m)
     for rank in range(2):
         seen = json.loads((tmp_path / f"spy{rank}").read_text())
         assert seen["prompts"][0][0]["role"] == "user" and seen["columns"] == ["solution"]
