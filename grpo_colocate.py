@@ -1504,8 +1504,8 @@ def load_tokenizer(model_path: str):
 
 
 def check_prompts(source, tokenizer) -> None:
-    """The eval rows and the first training row through the chat template: a model without one, or a prompt that is
-    neither text nor a list of chat messages, is one line now rather than a traceback at step 0."""
+    """The eval rows and the first training row through the chat template: a model without one, or a template that
+    refuses a prompt (e.g. a role it does not take), is one line now rather than a traceback at step 0."""
     for row in [*source.eval_rows, source[0]]:
         try:
             chat_prompt_ids(tokenizer, row["prompt"])
@@ -1513,8 +1513,7 @@ def check_prompts(source, tokenizer) -> None:
             prompt = str(row["prompt"])[:60]
             first_line = str(e).strip().split("\n")[0][:160]
             raise ConfigError(
-                f"--dataset_name: the prompt {prompt!r} does not go through the model's chat template ({first_line}); "
-                "a prompt is text or a list of {'role', 'content'} messages"
+                f"--dataset_name: the prompt {prompt!r} does not go through the model's chat template ({first_line})"
             ) from None
 
 
