@@ -332,8 +332,9 @@ def load_train_split(cfg: Config):
         else:
             dataset = datasets.load_dataset(name, cfg.dataset_config, split=split)
     except Exception as e:
-        first_line = str(e).strip().split("\n")[0][:200]
-        raise ConfigError(f"--dataset_name {name}: cannot be loaded ({type(e).__name__}: {first_line})") from None
+        raise ConfigError(
+            f"--dataset_name {name}: cannot be loaded ({type(e).__name__}: {first_line(e, 200)})"
+        ) from None
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise ConfigError(f"--dataset_train_split {split}: {name} has the splits {sorted(dataset)}")
@@ -1226,6 +1227,11 @@ def say(line: str, rank0: bool = False) -> None:
         print(line + "\n", end="", flush=True)
 
 
+def first_line(error: Exception, limit: int) -> str:
+    """An exception's message cut to its first line and `limit` characters, for a one-line error."""
+    return str(error).strip().split("\n")[0][:limit]
+
+
 class PhaseTimer:
     """`with timer("generate"):` adds the seconds to timer.t["generate"] (on GPU, synchronized at both ends)."""
 
@@ -1327,7 +1333,7 @@ def validate_model(cfg: Config, model_path: str) -> None:
     except (OSError, ValueError) as e:
         raise ConfigError(
             f"--model {model_path}: not a model folder with a config.json, and not a model id that can be loaded here "
-            f"({str(e).splitlines()[0][:160]}); offline, `python offline_model.py` builds SmolLM2-135M-Instruct"
+            f"({first_line(e, 160)}); offline, `python offline_model.py` builds SmolLM2-135M-Instruct"
         ) from None
     weights = glob.glob(os.path.join(model_path, "*.safetensors")) + glob.glob(os.path.join(model_path, "*.bin"))
     tp = cfg.vllm_tensor_parallel_size
@@ -1367,8 +1373,7 @@ def agree(check, *args):
     except ConfigError as e:
         error = str(e)
     except Exception as e:  # anything else, e.g. a full disk on one rank: its first line
-        first_line = str(e).split("\n")[0][:300]
-        error = f"{type(e).__name__}: {first_line}"
+        error = f"{type(e).__name__}: {first_line(e, 300)}"
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [(rank, message) for rank, message in enumerate(errors) if message]
@@ -1499,8 +1504,7 @@ def load_tokenizer(model_path: str):
     try:
         return AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError) as e:
-        first_line = str(e).strip().split("\n")[0][:160]
-        raise ConfigError(f"--model {model_path}: its tokenizer cannot be loaded ({first_line})") from None
+        raise ConfigError(f"--model {model_path}: its tokenizer cannot be loaded ({first_line(e, 160)})") from None
 
 
 def check_prompts(source, tokenizer) -> None:
@@ -1511,9 +1515,9 @@ def check_prompts(source, tokenizer) -> None:
             chat_prompt_ids(tokenizer, row["prompt"])
         except Exception as e:
             prompt = str(row["prompt"])[:60]
-            first_line = str(e).strip().split("\n")[0][:160]
+            reason = first_line(e, 160)
             raise ConfigError(
-                f"--dataset_name: the prompt {prompt!r} does not go through the model's chat template ({first_line})"
+                f"--dataset_name: the prompt {prompt!r} does not go through the model's chat template ({reason})"
             ) from None
 
 
@@ -1916,7 +1920,7 @@ def main(argv: list[str] | None = None) -> None:
             raise  # a bug, not a lost rank: keep the traceback
         say(
             f"error: rank {RANK}: lost contact with another rank, which stopped or died (its own message, if any, is "
-            f"above): {str(e).splitlines()[0][:200]}"
+            f"above): {first_line(e, 200)}"
         )
         os._exit(4)  # (say() flushed the line; nothing is left to save)
 
