@@ -87,10 +87,7 @@ class Config:
 
     # --- model and data
     model: str = HfArg(default="HuggingFaceTB/SmolLM2-135M-Instruct", help="HF model folder or hub id")
-    dataset_name: str = HfArg(
-        default="arithmetic",
-        help="arithmetic (built in), a hub dataset, a .jsonl/.json/.parquet/.csv file or a folder",
-    )
+    dataset_name: str = HfArg(default="arithmetic", help="arithmetic (built in), a hub dataset, a data file or folder")
     dataset_config: str | None = HfArg(default=None, help="the dataset's configuration (load_dataset's name)")
     dataset_train_split: str = HfArg(default="train", help="the split to train on; its first rows are the eval set")
     num_eval_prompts: int = HfArg(default=128, help="held-out prompts, scored greedily, never trained on")
@@ -120,14 +117,10 @@ class Config:
     scale_rewards: str = HfArg(default="group", help="divide advantages by their group's std (group) or not (none)")
     num_iterations: int = HfArg(default=1, help="optimizer passes per generated batch (> 1: clipping acts)")
     mask_truncated_completions: bool = HfArg(default=False, help="leave completions cut at max length out of the loss")
-    reward_funcs: list[str] = HfArg(
-        default_factory=lambda: ["correctness", "format"], help="built-in names or import paths (my_rewards.accuracy)"
-    )
+    reward_funcs: list[str] = HfArg(default_factory=lambda: ["correctness", "format"], help="built-ins or module.fn")
     reward_weights: list[float] | None = HfArg(default=None, help="one per reward function (default 1, format 0.5)")
     # vLLM's kernels sample from a slightly different distribution than the trainer computes: reweight each token
-    vllm_importance_sampling_correction: bool = HfArg(
-        default=True, help="weight tokens by min(p_trainer / p_vllm, cap)"
-    )
+    vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
 
     # --- vLLM
@@ -264,17 +257,15 @@ class DatasetRows:
         self.eval_rows = dataset.select(range(num_eval)).to_list()
         held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
         prompts = list(dataset["prompt"])
-        bad = [i for i, prompt in enumerate(prompts) if not is_prompt(prompt)]
-        if bad:
-            raise ConfigError(
-                f"--dataset_name: row {bad[0]}'s prompt {str(prompts[bad[0]])[:80]!r} is neither text nor a list of "
-                "{'role', 'content'} messages"
-            )
+        for i, prompt in enumerate(prompts):
+            if not is_prompt(prompt):
+                raise ConfigError(
+                    f"--dataset_name: row {i}'s prompt {str(prompt)[:80]!r} is neither text nor a list of "
+                    "{'role', 'content'} messages"
+                )
         self.train_indices = [i for i in range(num_eval, len(dataset)) if prompt_key(prompts[i]) not in held_out]
         if not self.train_indices:
-            raise ConfigError(
-                f"--dataset_name: no rows left for training after the {num_eval} eval rows (--num_eval_prompts)"
-            )
+            raise ConfigError(f"--dataset_name: no training rows after the {num_eval} eval rows (--num_eval_prompts)")
         self.epoch = -1
         self.order = []  # this epoch's permutation of the training rows, drawn once per epoch
 
@@ -305,9 +296,7 @@ def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
     if clash:
         raise ConfigError(f"--dataset_name: the column {clash[0]!r} has the name of a reward argument; rename it")
     if "correctness" in cfg.reward_funcs and "answer" not in dataset.column_names:
-        raise ConfigError(
-            f"--reward_funcs correctness reads an 'answer' column; the dataset has {dataset.column_names}"
-        )
+        raise ConfigError(f"--reward_funcs correctness needs an 'answer' column; found {dataset.column_names}")
     return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
 
 
@@ -332,9 +321,7 @@ def load_train_split(cfg: Config):
         else:
             dataset = datasets.load_dataset(name, cfg.dataset_config, split=split)
     except Exception as e:
-        raise ConfigError(
-            f"--dataset_name {name}: cannot be loaded ({type(e).__name__}: {first_line(e, 200)})"
-        ) from None
+        raise ConfigError(f"--dataset_name {name}: cannot be loaded ({first_line(e)})") from None
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise ConfigError(f"--dataset_train_split {split}: {name} has the splits {sorted(dataset)}")
@@ -356,11 +343,7 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     continues = messages[-1]["role"] == "assistant"
     ids = tokenizer.apply_chat_template(
-        messages,
-        add_generation_prompt=not continues,
-        continue_final_message=continues,
-        tokenize=True,
-        return_dict=False,
+        messages, add_generation_prompt=not continues, continue_final_message=continues, return_dict=False
     )
     return list(ids)
 
@@ -448,7 +431,7 @@ def reward_function(name: str):
     try:
         fn = getattr(importlib.import_module(module_name), function_name)
     except Exception as e:  # not found, or the module raised while importing
-        raise ConfigError(f"--reward_funcs {name}: cannot be imported ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"--reward_funcs {name}: cannot be imported ({first_line(e)})") from None
     if not callable(fn):
         raise ConfigError(f"--reward_funcs {name}: not a function")
     return fn
@@ -473,35 +456,26 @@ def reward_kwargs(r: Rollouts) -> dict[str, list]:
 
 
 class RewardLog:
-    """The rest of TRL's reward arguments, for one step (or one eval): trainer_state (transformers' TrainerState, its
-    global_step and max_steps set), log_metric(name, value), whose mean over every call on every rank goes into the
-    metrics, and log_extra(column, values), one value per sample, whose columns go into completions.jsonl."""
+    """The rest of TRL's reward arguments for one step (or one eval): trainer_state (transformers' TrainerState, its
+    global_step and max_steps set); log_metric(name, value), whose mean over every call on every rank goes into the
+    metrics (stats, under prefix); log_extra(column, values), one value per sample, a column of completions.jsonl."""
 
-    def __init__(self, step: int = 0, max_steps: int = 0):
+    def __init__(self, step: int, max_steps: int, stats: Stats, prefix: str = ""):
         from transformers import TrainerState
 
         self.trainer_state = TrainerState(global_step=step, max_steps=max_steps)
-        self.logged = defaultdict(list)
+        self.stats = stats
+        self.prefix = prefix  # "eval/" at evals
         self.columns = defaultdict(list)
 
     def log_metric(self, name: str, value: float) -> None:
-        self.logged[name].append(float(value))
+        self.stats.mean(self.prefix + name, float(value), 1)
 
     def log_extra(self, column: str, values: list) -> None:
         self.columns[column].extend(values)  # (as TRL: each call extends the column)
 
     def kwargs(self) -> dict:
         return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
-
-    def metrics(self) -> dict[str, float]:
-        """The mean of each logged name over all ranks' calls (a collective: every rank calls it at the same point)."""
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, dict(self.logged))
-        values = defaultdict(list)
-        for logged in everyone:
-            for name, rank_values in logged.items():
-                values[name].extend(rank_values)
-        return {name: sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tuple[list[float], list[str]]:
@@ -524,14 +498,14 @@ def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tup
             try:
                 values[i] = fn(**one_sample, **shared)[0]
             except Exception as e:
-                errors[i] = f"{type(e).__name__}: {e}"
+                errors[i] = first_line(e)
     rewards = []
     problems = []
     for value, error in zip(values, errors, strict=True):
         reward = as_reward(value)
         rewards.append(reward)
         if math.isnan(reward) and (value is not None or error):
-            problems.append(error or f"returned {value!r}")
+            problems.append(error or f"returned {value!r}"[:200])
     return rewards, problems
 
 
@@ -547,31 +521,29 @@ def as_reward(value) -> float:
     return reward if math.isfinite(reward) else math.nan
 
 
-def score(
-    r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, log: RewardLog | None = None, prefix: str = ""
-):
+def score(r: Rollouts, reward_funcs: dict, weights: list[float], log: RewardLog):
     """The weighted total reward [B] over the functions that could score each sample (NaN where none could), and
     each function's rewards {name: [B]}; each one's mean over the samples it scored, and its failures, go into
-    stats, what the functions log into `log`."""
+    log.stats."""
     kwargs = reward_kwargs(r)
-    log = log or RewardLog()
+    stats = log.stats
     by_function = {}
     for name, fn in reward_funcs.items():
         values, problems = safe_rewards(fn, kwargs, log.kwargs())
         if problems:
             say(
                 f"warning: rank {RANK}: reward {name!r} failed for {len(problems)} of {len(values)} samples (first: "
-                f"{problems[0][:200]}); a sample no reward could score is left out of its group"
+                f"{problems[0]}); a sample no reward could score is left out of its group"
             )
         values = torch.tensor(values, dtype=torch.float32)  # [B]
         scored = values[~values.isnan()]  # [scored samples]
-        stats.mean(f"{prefix}rewards/{name}", scored.sum().item(), scored.numel())
-        stats.sum(f"{prefix}rewards/failures", len(problems))
+        stats.mean(f"{log.prefix}rewards/{name}", scored.sum().item(), scored.numel())
+        stats.sum(f"{log.prefix}rewards/failures", len(problems))
         by_function[name] = values
     weighted = torch.stack([w * v for w, v in zip(weights, by_function.values(), strict=True)])  # [functions, B]
     unscored = weighted.isnan().all(0)  # [B]
     total = weighted.nansum(0).masked_fill(unscored, math.nan)  # [B]
-    stats.mean(f"{prefix}reward", total.nansum().item(), (~unscored).sum().item())
+    stats.mean(f"{log.prefix}reward", total.nansum().item(), (~unscored).sum().item())
     return total, by_function
 
 
@@ -1044,15 +1016,14 @@ def evaluate(llm, plan: Plan, cfg: Config, tp_group, device, step: int) -> dict:
     rounds = math.ceil(math.ceil(len(source.eval_rows) / world) / batch)  # the same on every rank of a TP group
     greedy = sampling_params(1, 0.0, cfg.max_completion_length)
     stats = Stats()
-    reward_log = RewardLog(step, cfg.max_steps)
+    reward_log = RewardLog(step, cfg.max_steps, stats, prefix="eval/")
     for i in range(rounds):
         chunk = rows[i * batch : (i + 1) * batch]
         ids, _ = encode_prompts(plan.tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
         outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
         r = collect_rollouts(chunk, ids, outputs, plan.tokenizer)
-        score(r, plan.reward_funcs, cfg.reward_weights, stats, reward_log, prefix="eval/")
-    logged = {f"eval/{name}": value for name, value in reward_log.metrics().items()}
-    return {**stats.reduce(device), **logged}
+        score(r, plan.reward_funcs, cfg.reward_weights, reward_log)
+    return stats.reduce(device)
 
 
 @dataclass
@@ -1159,9 +1130,9 @@ def train(cfg: Config, plan: Plan, parts: Setup, run_log: RunLog, device: torch.
             return stop_and_save(parts, plan, cfg, step)
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
-        reward_log = RewardLog(step, cfg.max_steps)
+        reward_log = RewardLog(step, cfg.max_steps, stats)
         with timer("reward"):
-            rewards, by_function = score(rollouts, plan.reward_funcs, cfg.reward_weights, stats, reward_log)
+            rewards, by_function = score(rollouts, plan.reward_funcs, cfg.reward_weights, reward_log)
             advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards)
         # ---- 4. the policy update
         try:
@@ -1173,7 +1144,6 @@ def train(cfg: Config, plan: Plan, parts: Setup, run_log: RunLog, device: torch.
         # ---- 5. the metrics of all ranks
         add_rollout_stats(stats, rollouts, group_std, prompts, prompts_cut)
         metrics.update(stats.reduce(device))
-        metrics.update(reward_log.metrics())
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
         if step == plan.first_step:
             metrics.update(parts.memory)
@@ -1227,9 +1197,9 @@ def say(line: str, rank0: bool = False) -> None:
         print(line + "\n", end="", flush=True)
 
 
-def first_line(error: Exception, limit: int) -> str:
-    """An exception's message cut to its first line and `limit` characters, for a one-line error."""
-    return str(error).strip().split("\n")[0][:limit]
+def first_line(error: Exception, limit: int = 200) -> str:
+    """An exception's type and the first line of its message, cut to `limit` characters, for a one-line error."""
+    return f"{type(error).__name__}: {str(error).strip()}".split("\n")[0][:limit]
 
 
 class PhaseTimer:
@@ -1373,7 +1343,7 @@ def agree(check, *args):
     except ConfigError as e:
         error = str(e)
     except Exception as e:  # anything else, e.g. a full disk on one rank: its first line
-        error = f"{type(e).__name__}: {first_line(e, 300)}"
+        error = first_line(e, 300)
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [(rank, message) for rank, message in enumerate(errors) if message]
@@ -1637,62 +1607,72 @@ def stop_requested(device) -> bool:
 
 # ------------------------------------------------------------------------------------------ metrics
 class Stats:
-    """One step's metrics by name, recorded on each rank; reduce() combines those of all ranks in one collective:
-        mean(name, total, count)  the sum of every total / the sum of every count (e.g. tokens, over all ranks)
+    """One step's metrics, recorded on each rank by name; reduce() combines those of all ranks in one collective:
+        mean(name, total, count)  the sum of every total / the sum of every count (e.g. per token, over all ranks)
         sum(name, value)          the sum of every value
         max(name, value) / min    the largest / smallest value
-    Values may be GPU tensors: nothing waits for the GPU until reduce(). Every rank must record the same names."""
+    Values may be GPU tensors: nothing waits for the GPU until reduce(). A name that some ranks never record (e.g. a
+    reward function's log_metric) is combined over the ranks that did."""
 
     def __init__(self):
-        self.totals = {}
-        self.counts = {}  # (of the means only)
-        self.maxima = {}
-        self.minima = {}
+        self.kinds = {}  # name -> "mean", "sum", "max" or "min"
+        self.values = defaultdict(list)
+        self.counts = defaultdict(float)  # (of the means)
 
-    def sum(self, name: str, value) -> None:
-        self.totals[name] = self.totals.get(name, 0.0) + value
+    def add(self, kind: str, name: str, value, count=0.0) -> None:
+        self.kinds[name] = kind
+        self.values[name].append(value)
+        self.counts[name] += count
 
     def mean(self, name: str, total, count) -> None:
-        self.sum(name, total)
-        self.counts[name] = self.counts.get(name, 0.0) + count
+        self.add("mean", name, total, count)
+
+    def sum(self, name: str, value) -> None:
+        self.add("sum", name, value)
 
     def max(self, name: str, value) -> None:
-        self.maxima.setdefault(name, []).append(torch.as_tensor(value))
+        self.add("max", name, value)
 
     def min(self, name: str, value) -> None:
-        self.minima.setdefault(name, []).append(torch.as_tensor(value))
+        self.add("min", name, value)
+
+    def combined(self, device) -> dict[str, tuple[str, float, float]]:
+        """{name: (kind, value, count)}: this rank's records of each name combined, in one copy from the GPU."""
+        names = sorted(self.kinds)
+        columns = []  # [value, count] per name, as 0-d float64 tensors on `device`
+        for name in names:
+            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in self.values[name]])
+            if self.kinds[name] == "max":
+                columns.append(values.max())
+            elif self.kinds[name] == "min":
+                columns.append(values.min())
+            else:
+                columns.append(values.sum())
+            columns.append(torch.as_tensor(self.counts[name], dtype=torch.float64, device=device))
+        numbers = torch.stack(columns).tolist() if columns else []
+        return {name: (self.kinds[name], numbers[2 * i], numbers[2 * i + 1]) for i, name in enumerate(names)}
 
     def reduce(self, device) -> dict[str, float]:
         """{name: value} over all ranks."""
-        sums = sorted(self.totals)  # (every rank records the same names: one order on all)
-        means = sorted(self.counts)
-        maxima = sorted(self.maxima)
-        minima = sorted(self.minima)
-        values = [self.totals[name] for name in sums] + [self.counts[name] for name in means]
-        values += [torch.stack(self.maxima[name]).max() for name in maxima]
-        values += [torch.stack(self.minima[name]).min() for name in minima]
-        values = [torch.as_tensor(v, dtype=torch.float64, device=device).reshape(()) for v in values]
-        mine = torch.stack(values)  # [values]
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]  # [values] per rank
-        dist.all_gather(everyone, mine)
-        table = torch.stack(everyone)  # [ranks, values]: the totals, the counts, the maxima, the minima
-        first_max = len(sums) + len(means)
-        summed = table[:, :first_max].sum(0).tolist()
-        largest = table[:, first_max : first_max + len(maxima)].max(0).values.tolist()
-        smallest = table[:, first_max + len(maxima) :].min(0).values.tolist()
-        out = dict(zip(sums, summed[: len(sums)], strict=True))
-        for name, count in zip(means, summed[len(sums) :], strict=True):
-            out[name] = out[name] / count if count else 0.0  # (no count: e.g. every completion left out of the loss)
-        out.update(zip(maxima, largest, strict=True))
-        out.update(zip(minima, smallest, strict=True))
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.combined(device))
+        merged = Stats()
+        for rank_records in everyone:
+            for name, (kind, value, count) in rank_records.items():
+                merged.add(kind, name, value, count)
+        out = {}
+        for name, (kind, value, count) in merged.combined("cpu").items():
+            out[name] = value
+            if kind == "mean":
+                out[name] = value / count if count else 0.0  # (no count: e.g. every completion left out of the loss)
         return out
 
 
 def global_sum(value: float, device) -> float:
     """value summed over all ranks."""
-    stats = Stats()
-    stats.sum("value", value)
-    return stats.reduce(device)["value"]
+    total = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.item()
 
 
 def check_finite(value: float, what: str, device) -> None:
@@ -1767,7 +1747,9 @@ class RunLog:
                 try:
                     self.trackers.append(open_tracker(name, cfg, first_step))
                 except Exception:
-                    self.close()  # the runs already started end (an exit after a refused start skips atexit)
+                    self.close(
+                        failed=True
+                    )  # the runs already started end (an exit after a refused start skips atexit)
                     raise
 
     def metrics(self, m: dict) -> None:
@@ -1793,9 +1775,13 @@ class RunLog:
             reward = "none" if row["reward"] is None else f"{row['reward']:.2f}"
             say(f"  reward {reward} | advantage {row['advantage']:+.2f} | {prompt} -> {completion}")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Each tracker's run ends; wandb marks a run that ended in an error as failed, not finished."""
         for tracker in self.trackers:
-            tracker.finish()
+            if failed and type(tracker).__module__.startswith("wandb"):
+                tracker.finish(exit_code=1)
+            else:
+                tracker.finish()
 
 
 def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_columns: dict) -> list[dict]:
@@ -1907,8 +1893,10 @@ def main(argv: list[str] | None = None) -> None:
         run_log = agree(RunLog, cfg, plan.first_step)
         try:
             train(cfg, plan, parts, run_log, device)
-        finally:
-            run_log.close()  # the trackers' runs end, however the training ended
+        except BaseException:
+            run_log.close(failed=True)  # the trackers' runs end, however the training ended
+            raise
+        run_log.close()
         dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
     except (ConfigError, NonFiniteError) as e:  # agreed by every rank: one line each, no traceback
         say(f"error: {e}")

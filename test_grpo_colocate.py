@@ -381,7 +381,7 @@ def test_prompts_the_chat_template_cannot_take_are_refused_in_preflight(tmp_path
         "{{ m['content'] }}{% endfor %}"
     )
     with pytest.raises(
-        g.ConfigError, match="the prompt .* does not go through the model's chat template \\(no system"
+        g.ConfigError, match="the prompt .* does not go through the model's chat template \\(.*no system"
     ):
         g.check_prompts(source, tok)
     tok.chat_template = template
@@ -409,8 +409,8 @@ def test_prompts_the_chat_template_cannot_take_are_refused_in_preflight(tmp_path
         ("not_parquet", "cannot be loaded \\("),
         ("data.txt", "no 'prompt' column \\(it has \\['text'\\]\\)"),  # a text file: a line per row
         ("split", "--dataset_train_split validation: .* has the splits \\['train'\\]"),
-        ("no_answer", "--reward_funcs correctness reads an 'answer' column; the dataset has \\['prompt'\\]"),
-        ("all_held_out", "--dataset_name: no rows left for training after the 5 eval rows \\(--num_eval_prompts\\)"),
+        ("no_answer", "--reward_funcs correctness needs an 'answer' column; found \\['prompt'\\]"),
+        ("all_held_out", "--dataset_name: no training rows after the 5 eval rows \\(--num_eval_prompts\\)"),
     ],
 )
 def test_dataset_errors(tmp_path, case, message):
@@ -495,7 +495,7 @@ def test_reward_functions_get_what_trl_gives_them():
     chat = [{"role": "user", "content": "q"}]
     rows = [{"prompt": "p", "solution": "a", "level": 1}, {"prompt": chat, "solution": "b", "level": 2}]
     r = rollouts(["a", "x"], rows, completions=[[5, 6], [7]])
-    total, by_function = g.score(r, {"spy": spy}, [2.0], g.Stats())
+    total, by_function = g.score(r, {"spy": spy}, [2.0], g.RewardLog(0, 0, g.Stats()))
     assert seen == {
         "completions": ["a", [{"role": "assistant", "content": "x"}]],
         "prompts": ["p", chat],
@@ -505,6 +505,11 @@ def test_reward_functions_get_what_trl_gives_them():
         "extra": ["log_extra", "log_metric", "trainer_state"],
     }
     assert total.tolist() == [2.0, 0.0] and by_function["spy"].tolist() == [1.0, 0.0]
+
+
+def local_totals(stats):
+    """This rank's records in stats, combined per name: {name: (value, count)} (count: of the means)."""
+    return {name: (value, count) for name, (_, value, count) in stats.combined("cpu").items()}
 
 
 def curriculum_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
@@ -518,11 +523,12 @@ def curriculum_reward(completions, trainer_state, log_metric, log_extra, **kwarg
 def _reward_log_worker(rank, world, port, q):
     join_group(rank, world, port)
     texts = ["ab", "abcd"] if rank == 0 else ["abcdefghij"]  # mean lengths 3 and 10
-    log = g.RewardLog(step=5, max_steps=10)
-    g.score(rollouts(texts, [{"prompt": "p"}] * len(texts)), {"curriculum": curriculum_reward}, [1.0], g.Stats(), log)
+    stats = g.Stats()
+    log = g.RewardLog(step=5, max_steps=10, stats=stats)
+    g.score(rollouts(texts, [{"prompt": "p"}] * len(texts)), {"curriculum": curriculum_reward}, [1.0], log)
     if rank == 1:
         log.log_metric("rank1_only", 7.0)  # a name only some ranks log
-    q.put((rank, log.metrics()))
+    q.put((rank, stats.reduce(torch.device("cpu"))))
     dist.destroy_process_group()
 
 
@@ -531,15 +537,15 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
     the step's metrics) and a column (into completions.jsonl's rows, as plain JSON numbers)."""
     r = rollouts(["ab", "abcd"], [{"prompt": "p"}, {"prompt": "p"}])
     for step, expected in [(1, 0.0), (5, 1.0)]:
-        log = g.RewardLog(step, max_steps=10)
-        total, by_function = g.score(r, {"curriculum": curriculum_reward}, [1.0], g.Stats(), log)
-        assert total.tolist() == [expected, expected] and log.logged == {"mean_chars": [3.0]}
+        log = g.RewardLog(step, max_steps=10, stats=g.Stats())
+        total, by_function = g.score(r, {"curriculum": curriculum_reward}, [1.0], log)
+        assert total.tolist() == [expected, expected] and local_totals(log.stats)["mean_chars"] == (3.0, 1)
     assert log.trainer_state.epoch == 0  # a real TrainerState: TRL rewards may read its other fields
     rows = g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)
     g.append_jsonl(str(tmp_path / "c.jsonl"), rows)
     assert [row["chars"] for row in read_jsonl(tmp_path / "c.jsonl")] == [2, 4]
     for metrics in run_workers(_reward_log_worker, 2).values():
-        assert metrics == {"mean_chars": 6.5, "rank1_only": 7.0}
+        assert metrics["mean_chars"] == 6.5 and metrics["rank1_only"] == 7.0
     # a column with one value per call, not per sample (two calls here) is left out, with a warning
     log.log_extra("chars", [1, 2])
     assert "chars" not in g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)[0]
@@ -608,16 +614,17 @@ def test_a_failing_reward_is_left_out_and_counted(capsys):
     assert g.safe_rewards(picky, {"completions": [], "answer": []}) == ([], [])  # (a rank without eval rows)
     r = rollouts(["ok", "boom", "<answer>1</answer>"], [{"prompt": "p", "answer": "1"}] * 3)
     stats = g.Stats()
-    total, _ = g.score(r, {"picky": picky, "correctness": g.correctness_reward}, [1.0, 2.0], stats)
-    assert stats.totals["rewards/failures"] == 1
+    total, _ = g.score(r, {"picky": picky, "correctness": g.correctness_reward}, [1.0, 2.0], g.RewardLog(0, 0, stats))
+    totals = local_totals(stats)
+    assert totals["rewards/failures"][0] == 1
     assert total.tolist() == [1.0, 0.0, 3.0]  # "boom": correctness still scores it
-    assert stats.totals["rewards/picky"] == 2.0 and stats.counts["rewards/picky"] == 2  # a mean over the scored
-    assert stats.totals["reward"] == 4.0 and stats.counts["reward"] == 3
+    assert totals["rewards/picky"] == (2.0, 2) and totals["reward"] == (4.0, 3)  # means over the scored samples
     stats = g.Stats()
-    total, _ = g.score(r, {"picky": picky}, [1.0], stats)
+    total, _ = g.score(r, {"picky": picky}, [1.0], g.RewardLog(0, 0, stats))
     # none could: NaN, left out
-    assert stats.totals["rewards/failures"] == 1 and math.isnan(total[1]) and total[0] == 1.0
-    assert stats.counts["reward"] == 2
+    totals = local_totals(stats)
+    assert totals["rewards/failures"][0] == 1 and math.isnan(total[1]) and total[0] == 1.0
+    assert totals["reward"][1] == 2
     assert "reward 'picky' failed for 1 of 3 samples (first: ValueError: cannot parse)" in capsys.readouterr().out
 
 
@@ -1388,7 +1395,7 @@ def _agree_worker(rank, world, port, q):
 
     r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], [{"prompt": "p"}] * 2, [True, False])
     stats = g.Stats()
-    g.score(r, {"correctness": correctness}, [1.0], stats)
+    g.score(r, {"correctness": correctness}, [1.0], g.RewardLog(0, 0, stats))
     g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"], 0)
     live = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
     mask = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # the 3-token completion was truncated and is masked
@@ -1399,9 +1406,9 @@ def _agree_worker(rank, world, port, q):
         stats.mean(key, torch.tensor(value), mask.sum())
     stats.mean("loss", torch.tensor(0.5), 1)
     stats.mean("grad_norm", 1.0, 1)
-    before = dict(stats.totals)
+    before = local_totals(stats)
     out.append(stats.reduce(torch.device("cpu")))
-    out.append(stats.totals == before)  # reduce() returns the totals, this rank's stats stay as they were
+    out.append(local_totals(stats) == before)  # reduce() returns the totals, this rank's stats stay as they were
     q.put((rank, out))
     dist.destroy_process_group()
 
@@ -1605,7 +1612,7 @@ def _zero3_worker(rank, world, port, model, q):
                 masked,
                 iters,
                 worst,
-                stats.totals["grad_norm"],
+                local_totals(stats)["grad_norm"][0],
                 sum(norms) / len(norms),
                 len(norms),
                 sum(p.ds_persist for p in params) / len(params),
@@ -2416,15 +2423,15 @@ def short_reward(completions, prompts, completion_ids, trainer_state, log_metric
 """
 
 
-def read_wandb_history(path):
-    """The history rows of a wandb offline run file: 7-byte header, then LevelDB-log records (crc 4, length 2, type 1)
-    in 32 KiB blocks, each a wandb Record protobuf."""
+def read_wandb_records(path):
+    """The records of a wandb offline run file: 7-byte header, then LevelDB-log records (crc 4, length 2, type 1) in
+    32 KiB blocks, each a wandb Record protobuf."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
     pos = 7
     pending = b""
-    rows = []
+    records = []
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
@@ -2437,9 +2444,33 @@ def read_wandb_history(path):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({"/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+            records.append(record)
+    return records
+
+
+def read_wandb_history(path):
+    """The history rows of a wandb offline run file."""
+    rows = []
+    for record in read_wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            rows.append({"/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
     return rows
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_a_run_that_ends_in_an_error_is_marked_failed_in_wandb(tmp_path, monkeypatch, failed):
+    """RunLog.close(failed=True), what main calls when training raises, ends the wandb run with exit code 1: wandb
+    shows it failed, not finished."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setattr(g, "RANK", 0)
+    run_log = g.RunLog(g.Config(output_dir=str(tmp_path), report_to=["wandb"]), first_step=0)
+    run_log.metrics({"step": 0, "reward": 0.5})
+    run_log.close(failed=failed)
+    (wandb_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    records = read_wandb_records(wandb_file)
+    exit_codes = [record.exit.exit_code for record in records if record.WhichOneof("record_type") == "exit"]
+    assert exit_codes == [1 if failed else 0]
+    assert [row["reward"] for row in read_wandb_history(wandb_file) if "reward" in row] == [0.5]
 
 
 def test_e2e_trl_data_rewards_and_trackers(tiny_tp_model, tmp_path):
