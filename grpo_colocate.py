@@ -54,6 +54,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -364,9 +365,7 @@ def extract_answer(completion: str) -> str | None:
     """The number in the last <answer>...</answer>, else the last number (a 135M model learns the tags late)."""
     tagged = ANSWER_RE.findall(completion)
     found = NUMBER_RE.findall(tagged[-1] if tagged else completion)
-    if not found:
-        return None
-    return found[-1].replace(",", "")
+    return found[-1].replace(",", "") if found else None
 
 
 def correctness_reward(completions: list, answer: list[str], **kwargs) -> list[float | None]:
@@ -444,14 +443,9 @@ def reward_kwargs(r: Rollouts) -> dict[str, list]:
         t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
         for t, row in zip(r.texts, r.rows, strict=True)
     ]
-    kwargs = {
-        "completions": completions,
-        "prompts": [row["prompt"] for row in r.rows],
-        "completion_ids": r.completions,
-    }
-    for column in r.rows[0] if r.rows else []:
-        if column != "prompt":  # (prompt_source refuses columns named like the arguments above)
-            kwargs[column] = [row[column] for row in r.rows]
+    columns = [column for column in (r.rows[0] if r.rows else []) if column != "prompt"]
+    kwargs = {column: [row[column] for row in r.rows] for column in columns}  # (none is named like the arguments)
+    kwargs.update(completions=completions, prompts=[row["prompt"] for row in r.rows], completion_ids=r.completions)
     return kwargs
 
 
@@ -512,10 +506,8 @@ def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tup
 def as_reward(value) -> float:
     """A reward function's value as a float: anything float() takes (Python, numpy and torch numbers and bools, a
     one-element array) but text; NaN for None and the rest."""
-    if value is None or isinstance(value, str):
-        return math.nan
     try:
-        reward = float(value)
+        reward = math.nan if isinstance(value, str) else float(value)  # (float(None) is a TypeError)
     except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several values)
         return math.nan
     return reward if math.isfinite(reward) else math.nan
@@ -523,8 +515,7 @@ def as_reward(value) -> float:
 
 def score(r: Rollouts, reward_funcs: dict, weights: list[float], log: RewardLog):
     """The weighted total reward [B] over the functions that could score each sample (NaN where none could), and
-    each function's rewards {name: [B]}; each one's mean over the samples it scored, and its failures, go into
-    log.stats."""
+    each function's rewards {name: [B]}; each one's mean over the samples it scored, and its failures, in log.stats."""
     kwargs = reward_kwargs(r)
     stats = log.stats
     by_function = {}
@@ -560,15 +551,12 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
     mean = grouped.nansum(dim=1, keepdim=True) / count  # [B / G, 1]
     centered = grouped - mean  # [B / G, G], NaN where unscored
     std = (centered.pow(2).nansum(dim=1) / (count.squeeze(1) - 1)).sqrt()  # [B / G]
-    advantages = centered
-    if scale == "group":
-        advantages = centered / (std.unsqueeze(1) + 1e-4)
+    advantages = centered / (std.unsqueeze(1) + 1e-4) if scale == "group" else centered
     return advantages.view(-1).nan_to_num(0.0), std.nan_to_num(0.0)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
-    """logits [T, V], tokens [T] -> log p(token) [T] under softmax(logits / temperature), and each position's entropy
-    [T] (a metric: no gradient)."""
+    """logits [T, V], tokens [T] -> log p(token) [T] under softmax(logits / temperature), and entropy [T] (no grad)."""
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [T, V]
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [T]
@@ -1234,19 +1222,17 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
     G = cfg.num_generations
     per_rank = cfg.completions_per_rank
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    within_nodes = per_node % max(tp, 1) == 0
     sizes = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length"]
     sizes += ["max_completion_length", "num_iterations", "max_steps"]
     counts = [cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps]
     expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     cap = cfg.vllm_importance_sampling_clip_max
     reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]
-    trackers = set(cfg.report_to) - {"none"}
+    trackers_known = set(cfg.report_to) <= {"none", "tensorboard", "wandb", "trackio"}
     checks = [
         (tp >= 1 and world % tp == 0, f"{tp_option} must divide the number of processes ({world})"),
-        (
-            per_node % max(tp, 1) == 0,
-            f"{tp_option} must divide the ranks per node ({per_node}): a TP group must not span nodes",
-        ),
+        (within_nodes, f"{tp_option} must divide the ranks per node ({per_node}): a TP group must not span nodes"),
         (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
         (min(getattr(cfg, name) for name in sizes) >= 1, f"--{', --'.join(sizes)} must all be >= 1"),
         (per_rank % max(G, 1) == 0, f"completions per rank {per_rank} must be a multiple of --num_generations {G}"),
@@ -1263,10 +1249,7 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
         (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
         (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
         (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
-        (
-            trackers <= {"tensorboard", "wandb", "trackio"},
-            f"--report_to {cfg.report_to}: expected none, tensorboard, wandb or trackio",
-        ),
+        (trackers_known, f"--report_to {cfg.report_to}: expected none, tensorboard, wandb or trackio"),
         (cfg.num_completions_to_print >= 0, "--num_completions_to_print must be >= 0"),
         (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
         (
@@ -1283,8 +1266,7 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
 def read_ds_config(path: str) -> dict:
     """The DeepSpeed config file as a dict, or one line that says what is wrong with it."""
     try:
-        with open(path) as f:
-            ds = json.load(f)
+        ds = json.loads(Path(path).read_text())
     except OSError as e:
         raise ConfigError(f"--deepspeed_config {path}: cannot be read ({e.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -1308,20 +1290,15 @@ def validate_model(cfg: Config, model_path: str) -> None:
     weights = glob.glob(os.path.join(model_path, "*.safetensors")) + glob.glob(os.path.join(model_path, "*.bin"))
     tp = cfg.vllm_tensor_parallel_size
     architectures = getattr(model_config, "architectures", None) or []
+    causal = any(a.endswith("ForCausalLM") for a in architectures)
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     context = getattr(model_config, "max_position_embeddings", 0)
     length = cfg.max_prompt_length + cfg.max_completion_length
     split = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
     checks = [
-        (
-            weights or not os.path.isdir(model_path),
-            f"--model {model_path}: a config.json but no weights in the folder",
-        ),
-        (
-            any(a.endswith("ForCausalLM") for a in architectures),
-            f"--model {model_path}: {architectures}: not a causal LM",
-        ),
+        (weights or not os.path.isdir(model_path), f"--model {model_path}: a config.json but no weights in it"),
+        (causal, f"--model {model_path}: {architectures}: not a causal LM"),
         (split, f"--vllm_tensor_parallel_size {tp} cannot split the model's {heads} attention / {kv_heads} KV heads"),
         (
             not context or length <= context,
@@ -1356,8 +1333,7 @@ def agree(check, *args):
 
 @dataclass
 class Plan:
-    """The run's data, reward functions and tokenizer, and the checkpoint it resumes from (if any) with the step that
-    follows."""
+    """The run's data, reward functions and tokenizer, and the checkpoint it resumes from (if any) and its step."""
 
     source: ArithmeticTask | DatasetRows
     reward_funcs: dict  # {name in the metrics: function}
@@ -1415,8 +1391,8 @@ OUTPUT_DIR_LOCK = []  # rank 0's open lock file: held while the process lives, r
 
 
 def lock_output_dir(output_dir: str, job: str) -> None:
-    """One run per output_dir at a time: an exclusive flock on output_dir/.lock, which a crashed run cannot keep. The
-    file says who holds it."""
+    """One run per output_dir at a time: an exclusive flock on output_dir/.lock (a crashed run cannot keep it), in
+    which the holder writes who it is."""
     lock_file = open(os.path.join(output_dir, ".lock"), "a+")  # noqa: SIM115 (open for the rest of the run)
     try:
         fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1434,27 +1410,17 @@ def lock_output_dir(output_dir: str, job: str) -> None:
 
 
 def earlier_run_files(output_dir: str) -> list[str]:
-    """What a run leaves in output_dir: its logs, TensorBoard and wandb files, checkpoints (complete or cut short) and
-    final model."""
-    names = [
-        "metrics.jsonl",
-        "completions.jsonl",
-        "tensorboard",
-        "wandb",
-        "final",
-        *(d for d in sorted(os.listdir(output_dir)) if d.startswith("checkpoint-")),
-    ]
+    """What a run leaves in output_dir: logs, TensorBoard and wandb files, checkpoints (cut short too), final model."""
+    names = ["metrics.jsonl", "completions.jsonl", "tensorboard", "wandb", "final"]
+    names += [d for d in sorted(os.listdir(output_dir)) if d.startswith("checkpoint-")]
     return [os.path.join(output_dir, n) for n in names if os.path.exists(os.path.join(output_dir, n))]
 
 
 def check_model_data_and_resume(cfg: Config, world: int, job: str) -> Plan:
     """The model, output_dir as rank 0 sees it, the data, and the checkpoint to resume from."""
     validate_model(cfg, cfg.model)
-    lock_path = os.path.join(cfg.output_dir, ".lock")
-    holder = ""
-    if os.path.isfile(lock_path):
-        with open(lock_path) as f:
-            holder = f.read()
+    lock_path = Path(cfg.output_dir, ".lock")
+    holder = lock_path.read_text() if lock_path.is_file() else ""
     if not holder.endswith(job):
         raise ConfigError(
             f"--output_dir {cfg.output_dir}: this rank does not see what rank 0 wrote there; with several nodes, "
@@ -1485,10 +1451,8 @@ def check_prompts(source, tokenizer) -> None:
             chat_prompt_ids(tokenizer, row["prompt"])
         except Exception as e:
             prompt = str(row["prompt"])[:60]
-            reason = first_line(e, 160)
-            raise ConfigError(
-                f"--dataset_name: the prompt {prompt!r} does not go through the model's chat template ({reason})"
-            ) from None
+            message = f"the prompt {prompt!r} does not go through the model's chat template ({first_line(e, 160)})"
+            raise ConfigError(f"--dataset_name: {message}") from None
 
 
 # -------------------------------------------------------------------------------------- checkpoints
@@ -1515,8 +1479,7 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> None:
     if RANK == 0:
         state = {"step": step, "world_size": dist.get_world_size()}
         state.update(seed=cfg.seed, vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size)
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state, f)
+        Path(tmp, "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(tmp, final)
         remove_stale_saves(cfg.output_dir, step)
@@ -1557,8 +1520,7 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
     if path is None or not os.path.isfile(os.path.join(path, "trainer_state.json")):
         where = f"in {cfg.output_dir}" if path is None else f"at {path}"
         raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint (checkpoint-N/trainer_state.json) {where}")
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        state = json.load(f)
+    state = json.loads(Path(path, "trainer_state.json").read_text())
     now = {"world_size": world, "seed": cfg.seed, "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size}
     for key, value in now.items():
         if state.get(key, value) != value:  # ZeRO-3 state is split per rank; prompts and samples follow seed and TP
@@ -1741,15 +1703,11 @@ class RunLog:
             keep_steps_before(self.metrics_path, first_step)
             if cfg.log_completions:
                 keep_steps_before(self.completions_path, first_step)
-            for name in cfg.report_to:
-                if name == "none":
-                    continue
+            for name in [name for name in cfg.report_to if name != "none"]:
                 try:
                     self.trackers.append(open_tracker(name, cfg, first_step))
-                except Exception:
-                    self.close(
-                        failed=True
-                    )  # the runs already started end (an exit after a refused start skips atexit)
+                except Exception:  # the runs already started end (an exit after a refused start skips atexit)
+                    self.close(failed=True)
                     raise
 
     def metrics(self, m: dict) -> None:
@@ -1796,15 +1754,10 @@ def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_c
         for column, values in extra_columns.items():
             if len(values) == len(r.rows):  # (one value per sample; see below)
                 record[column] = values[i]
-        for name, value in record.items():
-            if isinstance(value, float) and math.isnan(value):
-                record[name] = None
-        rows.append(record)
+        rows.append({name: None if isinstance(v, float) and math.isnan(v) else v for name, v in record.items()})
     for column, values in extra_columns.items():
         if len(values) != len(r.rows):
-            say(
-                f"warning: rank {RANK}: log_extra({column!r}): {len(values)} values, {len(r.rows)} samples: not logged"
-            )
+            say(f"warning: rank {RANK}: log_extra({column!r}) not logged: {len(values)} values, {len(r.rows)} samples")
     return rows
 
 
@@ -1863,9 +1816,7 @@ def append_jsonl(path: str, records: list[dict]) -> None:
 def json_value(value):
     """What json cannot write itself, e.g. a value a reward function logged: numpy and torch numbers and arrays as
     numbers and lists, anything else as its text."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
+    return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
 # --------------------------------------------------------------------------------------------- main
