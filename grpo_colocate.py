@@ -88,7 +88,7 @@ class Config:
 
     # --- model and data
     model: str = HfArg(default="HuggingFaceTB/SmolLM2-135M-Instruct", help="HF model folder or hub id")
-    dataset_name: str = HfArg(default="arithmetic", help="arithmetic (built in), a hub dataset, a data file or folder")
+    dataset_name: str = HfArg(default="arithmetic", help="arithmetic, a hub id, a json(l)/parquet/csv file or folder")
     dataset_config: str | None = HfArg(default=None, help="the dataset's configuration (load_dataset's name)")
     dataset_train_split: str = HfArg(default="train", help="the split to train on; its first rows are the eval set")
     num_eval_prompts: int = HfArg(default=128, help="held-out prompts, scored greedily, never trained on")
@@ -344,7 +344,11 @@ def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     continues = messages[-1]["role"] == "assistant"
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=not continues, continue_final_message=continues, return_dict=False
+        messages,
+        add_generation_prompt=not continues,
+        continue_final_message=continues,
+        tokenize=True,
+        return_dict=False,
     )
     return list(ids)
 
@@ -444,7 +448,8 @@ def reward_kwargs(r: Rollouts) -> dict[str, list]:
         for t, row in zip(r.texts, r.rows, strict=True)
     ]
     columns = [column for column in (r.rows[0] if r.rows else []) if column != "prompt"]
-    kwargs = {column: [row[column] for row in r.rows] for column in columns}  # (none is named like the arguments)
+    # (prompt_source refuses columns named like the arguments below)
+    kwargs = {column: [row[column] for row in r.rows] for column in columns}
     kwargs.update(completions=completions, prompts=[row["prompt"] for row in r.rows], completion_ids=r.completions)
     return kwargs
 
@@ -499,15 +504,17 @@ def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tup
         reward = as_reward(value)
         rewards.append(reward)
         if math.isnan(reward) and (value is not None or error):
-            problems.append(error or f"returned {value!r}"[:200])
+            problems.append(error or f"returned {value!r:.200}")
     return rewards, problems
 
 
 def as_reward(value) -> float:
     """A reward function's value as a float: anything float() takes (Python, numpy and torch numbers and bools, a
     one-element array) but text; NaN for None and the rest."""
+    if value is None or isinstance(value, str):
+        return math.nan
     try:
-        reward = math.nan if isinstance(value, str) else float(value)  # (float(None) is a TypeError)
+        reward = float(value)
     except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several values)
         return math.nan
     return reward if math.isfinite(reward) else math.nan
@@ -1187,7 +1194,8 @@ def say(line: str, rank0: bool = False) -> None:
 
 def first_line(error: Exception, limit: int = 200) -> str:
     """An exception's type and the first line of its message, cut to `limit` characters, for a one-line error."""
-    return f"{type(error).__name__}: {str(error).strip()}".split("\n")[0][:limit]
+    message = str(error).strip().split("\n")[0]
+    return f"{type(error).__name__}: {message}"[:limit] if message else type(error).__name__
 
 
 class PhaseTimer:
@@ -1288,6 +1296,7 @@ def validate_model(cfg: Config, model_path: str) -> None:
             f"({first_line(e, 160)}); offline, `python offline_model.py` builds SmolLM2-135M-Instruct"
         ) from None
     weights = glob.glob(os.path.join(model_path, "*.safetensors")) + glob.glob(os.path.join(model_path, "*.bin"))
+    has_weights = bool(weights) or not os.path.isdir(model_path)  # (not a folder: a hub id)
     tp = cfg.vllm_tensor_parallel_size
     architectures = getattr(model_config, "architectures", None) or []
     causal = any(a.endswith("ForCausalLM") for a in architectures)
@@ -1297,7 +1306,7 @@ def validate_model(cfg: Config, model_path: str) -> None:
     length = cfg.max_prompt_length + cfg.max_completion_length
     split = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
     checks = [
-        (weights or not os.path.isdir(model_path), f"--model {model_path}: a config.json but no weights in it"),
+        (has_weights, f"--model {model_path}: a config.json but no weights in the folder"),
         (causal, f"--model {model_path}: {architectures}: not a causal LM"),
         (split, f"--vllm_tensor_parallel_size {tp} cannot split the model's {heads} attention / {kv_heads} KV heads"),
         (
@@ -1582,7 +1591,8 @@ class Stats:
         self.counts = defaultdict(float)  # (of the means)
 
     def add(self, kind: str, name: str, value, count=0.0) -> None:
-        self.kinds[name] = kind
+        if self.kinds.setdefault(name, kind) != kind:  # (e.g. a reward function's log_metric of one of our maxima)
+            raise ValueError(f"metric {name!r} is a {self.kinds[name]}, recorded now as a {kind}")
         self.values[name].append(value)
         self.counts[name] += count
 
@@ -1601,24 +1611,27 @@ class Stats:
     def combined(self, device) -> dict[str, tuple[str, float, float]]:
         """{name: (kind, value, count)}: this rank's records of each name combined, in one copy from the GPU."""
         names = sorted(self.kinds)
-        columns = []  # [value, count] per name, as 0-d float64 tensors on `device`
+        if not names:
+            return {}
+        values = []  # per name: its records combined, a 0-d float64 tensor on `device`
+        counts = []  # per name: its count (0 but for means)
         for name in names:
-            values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in self.values[name]])
+            records = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in self.values[name]])
             if self.kinds[name] == "max":
-                columns.append(values.max())
+                values.append(records.max())
             elif self.kinds[name] == "min":
-                columns.append(values.min())
+                values.append(records.min())
             else:
-                columns.append(values.sum())
-            columns.append(torch.as_tensor(self.counts[name], dtype=torch.float64, device=device))
-        numbers = torch.stack(columns).tolist() if columns else []
-        return {name: (self.kinds[name], numbers[2 * i], numbers[2 * i + 1]) for i, name in enumerate(names)}
+                values.append(records.sum())
+            counts.append(torch.as_tensor(self.counts[name], dtype=torch.float64, device=device))
+        value_row, count_row = torch.stack([torch.stack(values), torch.stack(counts)]).tolist()  # [2, names]
+        return {name: (self.kinds[name], value_row[i], count_row[i]) for i, name in enumerate(names)}
 
     def reduce(self, device) -> dict[str, float]:
         """{name: value} over all ranks."""
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self.combined(device))
-        merged = Stats()
+        merged = Stats()  # every rank's combined records, combined again (as Python numbers, on the CPU)
         for rank_records in everyone:
             for name, (kind, value, count) in rank_records.items():
                 merged.add(kind, name, value, count)
@@ -1698,14 +1711,16 @@ class RunLog:
         self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.completions_path = os.path.join(cfg.output_dir, "completions.jsonl")
         self.num_completions_to_print = cfg.num_completions_to_print
-        self.trackers = []
+        self.trackers = []  # (name in --report_to, its run)
         if RANK == 0:
             keep_steps_before(self.metrics_path, first_step)
             if cfg.log_completions:
                 keep_steps_before(self.completions_path, first_step)
-            for name in [name for name in cfg.report_to if name != "none"]:
+            for name in cfg.report_to:
+                if name == "none":
+                    continue
                 try:
-                    self.trackers.append(open_tracker(name, cfg, first_step))
+                    self.trackers.append((name, open_tracker(name, cfg, first_step)))
                 except Exception:  # the runs already started end (an exit after a refused start skips atexit)
                     self.close(failed=True)
                     raise
@@ -1716,8 +1731,8 @@ class RunLog:
         append_jsonl(self.metrics_path, [m])
         fields = [f"step {m['step']:>4}"] + [fmt.format(m[key]) for key, fmt in LOG_LINE if key in m]
         print(" | ".join(fields), flush=True)
-        for tracker in self.trackers:
-            tracker.log({name: value for name, value in m.items() if name != "step"}, step=m["step"])
+        for _, run in self.trackers:
+            run.log({name: value for name, value in m.items() if name != "step"}, step=m["step"])
 
     def completions(self, step: int, rows: list[dict], show: bool) -> None:
         """Every rank's rows of one step into completions.jsonl (all ranks call this); printed too if `show`."""
@@ -1735,11 +1750,11 @@ class RunLog:
 
     def close(self, failed: bool = False) -> None:
         """Each tracker's run ends; wandb marks a run that ended in an error as failed, not finished."""
-        for tracker in self.trackers:
-            if failed and type(tracker).__module__.startswith("wandb"):
-                tracker.finish(exit_code=1)
+        for name, run in self.trackers:
+            if failed and name == "wandb":
+                run.finish(exit_code=1)
             else:
-                tracker.finish()
+                run.finish()
 
 
 def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_columns: dict) -> list[dict]:
@@ -1845,7 +1860,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             train(cfg, plan, parts, run_log, device)
         except BaseException:
-            run_log.close(failed=True)  # the trackers' runs end, however the training ended
+            run_log.close(failed=True)  # wandb marks the run failed; the error goes on to the handlers below
             raise
         run_log.close()
         dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here

@@ -381,7 +381,8 @@ def test_prompts_the_chat_template_cannot_take_are_refused_in_preflight(tmp_path
         "{{ m['content'] }}{% endfor %}"
     )
     with pytest.raises(
-        g.ConfigError, match="the prompt .* does not go through the model's chat template \\(.*no system"
+        g.ConfigError,
+        match="the prompt .* does not go through the model's chat template \\(TemplateError: no system role\\)",
     ):
         g.check_prompts(source, tok)
     tok.chat_template = template
@@ -526,8 +527,9 @@ def _reward_log_worker(rank, world, port, q):
     stats = g.Stats()
     log = g.RewardLog(step=5, max_steps=10, stats=stats)
     g.score(rollouts(texts, [{"prompt": "p"}] * len(texts)), {"curriculum": curriculum_reward}, [1.0], log)
-    if rank == 1:
-        log.log_metric("rank1_only", 7.0)  # a name only some ranks log
+    if rank == 1:  # names only some ranks record: combined over those that did
+        log.log_metric("rank1_only", 7.0)
+        stats.max("rank1_max", 3.0)
     q.put((rank, stats.reduce(torch.device("cpu"))))
     dist.destroy_process_group()
 
@@ -545,7 +547,13 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
     g.append_jsonl(str(tmp_path / "c.jsonl"), rows)
     assert [row["chars"] for row in read_jsonl(tmp_path / "c.jsonl")] == [2, 4]
     for metrics in run_workers(_reward_log_worker, 2).values():
-        assert metrics["mean_chars"] == 6.5 and metrics["rank1_only"] == 7.0
+        expected = {"reward": 1.0, "rewards/curriculum": 1.0, "rewards/failures": 0.0, "mean_chars": 6.5}
+        assert metrics == {**expected, "rank1_only": 7.0, "rank1_max": 3.0}
+    # a reward function's metric may not change the kind of one of ours (it fails as the function would)
+    stats = g.Stats()
+    stats.max("completions/max_length", 5)
+    with pytest.raises(ValueError, match="metric 'completions/max_length' is a max, recorded now as a mean"):
+        g.RewardLog(0, 10, stats).log_metric("completions/max_length", 1.0)
     # a column with one value per call, not per sample (two calls here) is left out, with a warning
     log.log_extra("chars", [1, 2])
     assert "chars" not in g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)[0]
