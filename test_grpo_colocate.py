@@ -1904,7 +1904,7 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     load it): step 1 skips the push, step 2 pushes and then calls reload_weights without weights (the bug TRL's
     colocate mode shipped: it reloads the checkpoint from disk); the sync check must flag both (0.12-0.14 against
     < 1e-5). Step 3: a NaN loss on one rank stops both ranks with the step number before the update; the checkpoint
-    saved after step 2 stays intact and loadable.
+    saved after step 2 stays intact and loadable, and the wandb run is marked failed.
     Also on this path: an empty eval set with eval_steps > 0."""
     launcher = tmp_path / "launch_faults.py"
     launcher.write_text(LAUNCHER.format(here=HERE))
@@ -1920,10 +1920,13 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
             "3",
             "--num_eval_prompts",
             "0",
+            "--report_to",
+            "wandb",
             *TINY,
         ],
         out,
         script=str(launcher),
+        env={"WANDB_MODE": "offline"},
     )
     assert rc != 0 and "exitcode  : 3" in log, log[-3000:]  # torchrun exits 1 and names our exit code
     assert (
@@ -1937,7 +1940,9 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     assert metrics[0]["sampling/logp_diff_mean"] < 1e-3  # step 0: nothing trained yet, disk == trainer
     assert metrics[1]["sampling/logp_diff_mean"] > 2e-2, metrics[1]  # no push: vLLM samples from stale weights
     assert metrics[2]["sampling/logp_diff_mean"] > 2e-2, metrics[2]  # reloaded from disk after the push: stale again
-    assert sorted(os.listdir(out)) == [".lock", "checkpoint-3", "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == [".lock", "checkpoint-3", "metrics.jsonl", "wandb"]
+    (wandb_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")  # the run is marked failed, not finished
+    assert [r.exit.exit_code for r in read_wandb_records(wandb_file) if r.WhichOneof("record_type") == "exit"] == [1]
     weights = load_weights(out / "checkpoint-3")
     assert weights and all(torch.isfinite(w.float()).all() for w in weights.values())
     assert 'grpo_colocate.py", line' not in log
