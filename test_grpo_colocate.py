@@ -1942,7 +1942,7 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     assert metrics[2]["sampling/logp_diff_mean"] > 2e-2, metrics[2]  # reloaded from disk after the push: stale again
     assert sorted(os.listdir(out)) == [".lock", "checkpoint-3", "metrics.jsonl", "wandb"]
     (wandb_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")  # the run is marked failed, not finished
-    assert [r.exit.exit_code for r in read_wandb_records(wandb_file) if r.WhichOneof("record_type") == "exit"] == [1]
+    assert wandb_exit_codes(wandb_file) == [1]
     weights = load_weights(out / "checkpoint-3")
     assert weights and all(torch.isfinite(w.float()).all() for w in weights.values())
     assert 'grpo_colocate.py", line' not in log
@@ -2451,6 +2451,8 @@ def read_wandb_records(path):
             continue
         length = int.from_bytes(data[pos + 4 : pos + 6], "little")
         kind = data[pos + 6]
+        if pos + 7 + length > len(data):  # (a record still being written)
+            break
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a whole record, or the last piece of one
@@ -2459,6 +2461,18 @@ def read_wandb_records(path):
             pending = b""
             records.append(record)
     return records
+
+
+def wandb_exit_codes(path, timeout=60):
+    """The exit codes recorded in a wandb offline run file, once there is one: wandb's service process writes the file
+    after finish() returns."""
+    deadline = time.time() + timeout
+    exit_codes = []
+    while not exit_codes and time.time() < deadline:
+        time.sleep(0.5)
+        records = read_wandb_records(path)
+        exit_codes = [record.exit.exit_code for record in records if record.WhichOneof("record_type") == "exit"]
+    return exit_codes
 
 
 def read_wandb_history(path):
@@ -2480,9 +2494,7 @@ def test_a_run_that_ends_in_an_error_is_marked_failed_in_wandb(tmp_path, monkeyp
     run_log.metrics({"step": 0, "reward": 0.5})
     run_log.close(failed=failed)
     (wandb_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    records = read_wandb_records(wandb_file)
-    exit_codes = [record.exit.exit_code for record in records if record.WhichOneof("record_type") == "exit"]
-    assert exit_codes == [1 if failed else 0]
+    assert wandb_exit_codes(wandb_file) == [1 if failed else 0]
     assert [row["reward"] for row in read_wandb_history(wandb_file) if "reward" in row] == [0.5]
 
 
