@@ -480,7 +480,8 @@ class RewardLog:
 def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tuple[list[float], list[str]]:
     """fn's rewards, NaN where it returns None (it cannot score that sample) and where it raises or returns anything
     but a finite number (a reward bug must not end the run), with a line per sample that went wrong. If the batch call
-    fails, each sample is scored alone to find the culprits. kwargs: one entry per sample; shared: passed as it is."""
+    fails, each sample is scored alone to find the culprits (what it logs then is ignored). kwargs: one entry per
+    sample; shared: passed as it is."""
     shared = shared or {}
     n = len(kwargs["completions"])
     if n == 0:
@@ -492,10 +493,12 @@ def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tup
         values = []
     if len(values) != n:
         values = [None] * n
+        # (what the batch call logged stays; calls for one sample log nothing)
+        quiet = {name: ignore if name in ("log_metric", "log_extra") else value for name, value in shared.items()}
         for i in range(n):
             one_sample = {name: column[i : i + 1] for name, column in kwargs.items()}
             try:
-                values[i] = fn(**one_sample, **shared)[0]
+                values[i] = next(iter(fn(**one_sample, **quiet)))
             except Exception as e:
                 errors[i] = first_line(e)
     rewards = []
@@ -506,6 +509,10 @@ def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tup
         if math.isnan(reward) and (value is not None or error):
             problems.append(error or f"returned {value!r:.200}")
     return rewards, problems
+
+
+def ignore(*args, **kwargs) -> None:
+    pass
 
 
 def as_reward(value) -> float:
@@ -1238,6 +1245,8 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
     cap = cfg.vllm_importance_sampling_clip_max
     reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]
     trackers_known = set(cfg.report_to) <= {"none", "tensorboard", "wandb", "trackio"}
+    overwrite = cfg.overwrite_output_dir
+    continues = continues_run(cfg)
     checks = [
         (tp >= 1 and world % tp == 0, f"{tp_option} must divide the number of processes ({world})"),
         (within_nodes, f"{tp_option} must divide the ranks per node ({per_node}): a TP group must not span nodes"),
@@ -1259,6 +1268,7 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
         (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
         (trackers_known, f"--report_to {cfg.report_to}: expected none, tensorboard, wandb or trackio"),
         (cfg.num_completions_to_print >= 0, "--num_completions_to_print must be >= 0"),
+        (not (overwrite and continues), f"--overwrite_output_dir would delete what --resume {cfg.resume} needs"),
         (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
         (
             not (on_gpu and cfg.vllm_enable_sleep_mode and expandable),
@@ -1358,7 +1368,9 @@ def preflight(cfg: Config, world: int) -> Plan:
     job = f"job {os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', os.getpid())}"
     try:
         agree(check_options_and_claim_output_dir, cfg, world, job)
-        return agree(check_model_data_and_resume, cfg, world, job)
+        plan = agree(check_model_data_and_resume, cfg, world, job)
+        agree(clear_output_dir, cfg)  # (only now that every check has passed)
+        return plan
     except ConfigError:
         for lock_file in OUTPUT_DIR_LOCK:  # a refused run holds no lock (the process may go on, as in the tests)
             lock_file.close()
@@ -1383,17 +1395,29 @@ def check_options_and_claim_output_dir(cfg: Config, world: int, job: str) -> Non
             f"--output_dir {cfg.output_dir}: not writable ({e.strerror}); pick a folder you can write to"
         ) from None
     earlier = earlier_run_files(cfg.output_dir)
-    if earlier and not cfg.resume and not cfg.overwrite_output_dir:
+    if earlier and not continues_run(cfg) and not cfg.overwrite_output_dir:
         raise ConfigError(
             f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass --resume latest to continue it, "
             "--overwrite_output_dir to replace it, or another folder"
         )
-    if not cfg.resume:
-        for path in earlier:
-            if os.path.isdir(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
+
+
+def continues_run(cfg: Config) -> bool:
+    """--resume continues the run in output_dir (latest, or one of its checkpoints), not one saved elsewhere."""
+    if cfg.resume == "latest":
+        return True
+    return bool(cfg.resume) and Path(cfg.resume).resolve().parent == Path(cfg.output_dir).resolve()
+
+
+def clear_output_dir(cfg: Config) -> None:
+    """--overwrite_output_dir: rank 0 deletes the earlier run's files."""
+    if RANK != 0 or not cfg.overwrite_output_dir:
+        return
+    for path in earlier_run_files(cfg.output_dir):
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 OUTPUT_DIR_LOCK = []  # rank 0's open lock file: held while the process lives, released by the kernel when it ends
@@ -1492,7 +1516,7 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> None:
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(tmp, final)
         remove_stale_saves(cfg.output_dir, step)
-        remove_old_checkpoints(cfg.output_dir, cfg.save_total_limit)
+        remove_old_checkpoints(cfg.output_dir, cfg.save_total_limit, step)
     dist.barrier()
 
 
@@ -1504,11 +1528,12 @@ def remove_stale_saves(output_dir: str, step: int) -> None:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
 
 
-def remove_old_checkpoints(output_dir: str, limit: int | None) -> None:
-    """All but the newest `limit` complete checkpoints (--save_total_limit), once a new one is complete: never the one
-    being written, and the one a run resumed from only when a newer one is there."""
+def remove_old_checkpoints(output_dir: str, limit: int | None, step: int) -> None:
+    """All but the newest `limit` complete checkpoints up to checkpoint-{step} (--save_total_limit), once that one is
+    complete: never the one being written, and the one a run resumed from only when a newer one is there."""
     if limit:
-        for path in checkpoints(output_dir)[:-limit]:
+        saved = [path for path in checkpoints(output_dir) if checkpoint_step(path) <= step]
+        for path in saved[:-limit]:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -1516,9 +1541,12 @@ def checkpoints(output_dir: str) -> list[str]:
     """The complete checkpoint-N folders of output_dir, oldest first (a save cut short is still *.tmp)."""
     if not os.path.isdir(output_dir):
         return []
-    done = [d for d in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
-    done.sort(key=lambda d: int(d.split("-")[1]))
-    return [os.path.join(output_dir, d) for d in done]
+    done = [os.path.join(output_dir, d) for d in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
+    return sorted(done, key=checkpoint_step)
+
+
+def checkpoint_step(path: str) -> int:
+    return int(path.rpartition("-")[2])
 
 
 def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
@@ -1537,6 +1565,13 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
                 f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; an exact resume needs the "
                 "same number of ranks, --seed and --vllm_tensor_parallel_size"
             )
+    newer = [c for c in checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
+    newer = [c for c in newer if not missing_checkpoint_files(c, world)]
+    if newer and continues_run(cfg):  # (the new steps would be mixed with theirs, and `latest` would pick them)
+        raise ConfigError(
+            f"--resume {path}: output_dir holds {newer[-1]}, saved after it by the run this one would branch off; "
+            "move the newer checkpoints out of output_dir first"
+        )
     missing = missing_checkpoint_files(path, world)
     if missing:
         complete = [c for c in checkpoints(cfg.output_dir) if c != path and not missing_checkpoint_files(c, world)]
@@ -1639,7 +1674,7 @@ class Stats:
         for name, (kind, value, count) in merged.combined("cpu").items():
             out[name] = value
             if kind == "mean":
-                out[name] = value / count if count else 0.0  # (no count: e.g. every completion left out of the loss)
+                out[name] = value / count if count else math.nan  # (the mean of nothing, e.g. no sample scored)
         return out
 
 
@@ -1760,19 +1795,24 @@ class RunLog:
 def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_columns: dict) -> list[dict]:
     """This rank's samples of a step as rows for completions.jsonl: the prompt's last message, the completion, its
     rewards (None where unscored: JSON has no NaN) and advantage, and the columns reward functions logged."""
+    ours = ["step", "prompt", "completion", "reward", "advantage"] + [f"rewards/{name}" for name in by_function]
+    extra = {}
+    for column, values in extra_columns.items():
+        if column in ours:
+            say(f"warning: rank {RANK}: log_extra({column!r}) not logged: completions.jsonl has a column of that name")
+        elif len(values) != len(r.rows):
+            say(f"warning: rank {RANK}: log_extra({column!r}) not logged: {len(values)} values, {len(r.rows)} samples")
+        else:
+            extra[column] = values
     rows = []
     for i, (row, text) in enumerate(zip(r.rows, r.texts, strict=True)):
         prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
         record = {"prompt": prompt, "completion": text, "reward": rewards[i].item(), "advantage": advantages[i].item()}
         for name, values in by_function.items():
             record[f"rewards/{name}"] = values[i].item()
-        for column, values in extra_columns.items():
-            if len(values) == len(r.rows):  # (one value per sample; see below)
-                record[column] = values[i]
+        for column, values in extra.items():
+            record[column] = values[i]
         rows.append({name: None if isinstance(v, float) and math.isnan(v) else v for name, v in record.items()})
-    for column, values in extra_columns.items():
-        if len(values) != len(r.rows):
-            say(f"warning: rank {RANK}: log_extra({column!r}) not logged: {len(values)} values, {len(r.rows)} samples")
     return rows
 
 

@@ -530,6 +530,7 @@ def _reward_log_worker(rank, world, port, q):
     if rank == 1:  # names only some ranks record: combined over those that did
         log.log_metric("rank1_only", 7.0)
         stats.max("rank1_max", 3.0)
+    stats.mean("rewards/none_scored", 0.0, 0)  # a mean over no samples on any rank
     q.put((rank, stats.reduce(torch.device("cpu"))))
     dist.destroy_process_group()
 
@@ -547,6 +548,7 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
     g.append_jsonl(str(tmp_path / "c.jsonl"), rows)
     assert [row["chars"] for row in read_jsonl(tmp_path / "c.jsonl")] == [2, 4]
     for metrics in run_workers(_reward_log_worker, 2).values():
+        assert math.isnan(metrics.pop("rewards/none_scored"))  # not 0, which would read as "all wrong"
         expected = {"reward": 1.0, "rewards/curriculum": 1.0, "rewards/failures": 0.0, "mean_chars": 6.5}
         assert metrics == {**expected, "rank1_only": 7.0, "rank1_max": 3.0}
     # a reward function's metric may not change the kind of one of ours (it fails as the function would)
@@ -557,6 +559,14 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
     # a column with one value per call, not per sample (two calls here) is left out, with a warning
     log.log_extra("chars", [1, 2])
     assert "chars" not in g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)[0]
+    # and one named like a column of ours is left out too: the rows keep their step, reward and completion
+    columns = {"step": [7, 7], "reward": [9, 9], "completion": ["x", "y"], "rewards/curriculum": [0, 0], "ok": [1, 2]}
+    rows = g.completion_rows(r, total, by_function, torch.zeros(2), columns)
+    assert [(row["reward"], row["completion"], row["rewards/curriculum"], row["ok"]) for row in rows] == [
+        (1.0, "ab", 1.0, 1),
+        (1.0, "abcd", 1.0, 2),
+    ]
+    assert "step" not in rows[0]  # (RunLog.completions adds the step)
     # and a sample no reward could score is null in the JSON log (JSON has no NaN)
     total[0] = math.nan
     rows = g.completion_rows(r, total, {"curriculum": total}, torch.zeros(2), {})
@@ -620,6 +630,20 @@ def test_a_failing_reward_is_left_out_and_counted(capsys):
     values, problems = g.safe_rewards(array_values, {"completions": ["x", "y", "z"]})
     assert values[:2] == [1.0, 0.25] and math.isnan(values[2]) and problems == ["returned tensor([1., 2.])"]
     assert g.safe_rewards(picky, {"completions": [], "answer": []}) == ([], [])  # (a rank without eval rows)
+
+    def logging_generator(completions, log_metric, **kwargs):  # a generator, that logs, then fails on one sample
+        log_metric("calls", 1.0)
+        for c in completions:
+            if c == "boom":
+                raise ValueError("cannot parse")
+            yield 0.5
+
+    stats = g.Stats()
+    values, problems = g.safe_rewards(
+        logging_generator, {"completions": ["a", "boom", "c"]}, g.RewardLog(0, 0, stats).kwargs()
+    )
+    assert values[0] == values[2] == 0.5 and math.isnan(values[1]) and len(problems) == 1
+    assert local_totals(stats)["calls"] == (1.0, 1)  # the samples scored alone after the failed call log nothing
     r = rollouts(["ok", "boom", "<answer>1</answer>"], [{"prompt": "p", "answer": "1"}] * 3)
     stats = g.Stats()
     total, _ = g.score(r, {"picky": picky, "correctness": g.correctness_reward}, [1.0, 2.0], g.RewardLog(0, 0, stats))
@@ -1297,6 +1321,16 @@ def test_resume_checks_ranks_seed_and_tp(tmp_path):
             g.find_checkpoint(c, world)
     with pytest.raises(g.ConfigError, match="no complete checkpoint"):
         g.find_checkpoint(g.Config(output_dir=str(tmp_path / "none"), resume="latest"), 2)
+    # an older checkpoint of output_dir's run while a newer one is there: the two runs' steps would mix
+    older = g.Config(output_dir=str(tmp_path), resume=str(tmp_path / "checkpoint-2"))
+    with pytest.raises(g.ConfigError) as e:
+        g.find_checkpoint(older, 2)
+    assert str(e.value) == (
+        f"--resume {tmp_path / 'checkpoint-2'}: output_dir holds {tmp_path / 'checkpoint-4'}, saved after it by the "
+        "run this one would branch off; move the newer checkpoints out of output_dir first"
+    )
+    # the same checkpoint, to start a new run in another folder
+    assert g.find_checkpoint(g.Config(output_dir=str(tmp_path / "new"), resume=older.resume), 2)[1] == 2
 
 
 def test_resume_refuses_a_checkpoint_with_files_missing(tmp_path):
@@ -1328,10 +1362,13 @@ def test_stale_saves_are_removed_once_a_newer_one_is_complete(tmp_path):
 def test_save_total_limit_keeps_the_newest_complete_checkpoints(tmp_path):
     for name in ("checkpoint-10", "checkpoint-2", "checkpoint-4", "checkpoint-12.tmp"):  # (a save under way)
         os.makedirs(tmp_path / name)
-    g.remove_old_checkpoints(str(tmp_path), None)  # the default: all kept
+    g.remove_old_checkpoints(str(tmp_path), None, 10)  # the default: all kept
     assert len(os.listdir(tmp_path)) == 4
-    g.remove_old_checkpoints(str(tmp_path), 2)  # by step, not by name: 10 is newer than 4
+    g.remove_old_checkpoints(str(tmp_path), 2, 10)  # by step, not by name: 10 is newer than 4
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12.tmp", "checkpoint-4"]
+    os.makedirs(tmp_path / "checkpoint-5")  # written by a run resumed from checkpoint-4; 10 is the older run's
+    g.remove_old_checkpoints(str(tmp_path), 1, 5)  # never the one just written
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12.tmp", "checkpoint-5"]
 
 
 def test_a_truncated_metrics_line_is_dropped_on_resume(tmp_path, capsys):
@@ -1463,6 +1500,9 @@ def _preflight_worker(rank, world, port, model, base, q):
         ("busy", base / "busy", {}),
         ("earlier run", base / "done", {}),
         ("resume it", base / "done", {"resume": "latest"}),
+        ("resume another run's", base / "done", {"resume": str(base / "replaced" / "checkpoint-2")}),
+        ("overwrite what it resumes", base / "done", {"resume": "latest", "overwrite_output_dir": True}),
+        ("overwrite, bad reward", base / "replaced", {"overwrite_output_dir": True, "reward_funcs": ["nope"]}),
         ("overwrite it", base / "replaced", {"overwrite_output_dir": True}),
     ]:
         cfg = g.Config(
@@ -1478,7 +1518,12 @@ def _preflight_worker(rank, world, port, model, base, q):
             out.append((case, "ok", start.resume_dir, start.first_step, len(start.source.eval_rows)))
         except g.ConfigError as e:
             out.append((case, str(e)))
+        for lock_file in g.OUTPUT_DIR_LOCK:  # (the run ends: the next case may use its folder)
+            lock_file.close()
+        g.OUTPUT_DIR_LOCK.clear()
         dist.barrier()
+        if case == "overwrite, bad reward":
+            out.append(sorted(os.listdir(output_dir)))
     q.put((rank, out))
     dist.destroy_process_group()
 
@@ -1530,7 +1575,11 @@ def test_preflight_output_dir_writable_shared_and_one_run_at_a_time(tmp_path):
             "--resume latest to continue it, --overwrite_output_dir to replace it, or another folder (on rank 0)",
         )
         assert out[5] == ("resume it", "ok", str(tmp_path / "done" / "checkpoint-2"), 2, 128)
-        assert out[6] == ("overwrite it", "ok", None, 0, 128)
+        assert out[6][1].startswith(f"--output_dir {tmp_path / 'done'} holds another run")  # not to mix two runs
+        assert out[7][1] == "--overwrite_output_dir would delete what --resume latest needs"
+        assert out[8][1].startswith("--reward_funcs nope: neither one of")  # a check after the first: the
+        assert out[9] == [".lock", "checkpoint-2", "checkpoint-3.tmp", "metrics.jsonl"]  # earlier run is all there,
+        assert out[10] == ("overwrite it", "ok", None, 0, 128)  # deleted once every check has passed
     assert sorted(os.listdir(tmp_path / "run")) == [".lock"]  # the token is gone; the lock file stays, unlocked
     assert sorted(os.listdir(tmp_path / "replaced")) == [".lock"]  # the earlier run's files, all of them
     assert "metrics.jsonl" in os.listdir(tmp_path / "done")  # refused, then resumed: nothing removed
@@ -2319,6 +2368,7 @@ def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_pat
         ):  # one engine per group: the same prompts and seeds on each of its ranks
             assert len({(c[r]["engine_prompts"], tuple(c[r]["seeds"])) for r in group}) == 1, (step, group)
         assert c[0]["engine_prompts"] != c[4]["engine_prompts"] and c[0]["seeds"] != c[4]["seeds"]
+    os.rename(out / "checkpoint-2", tmp_path / "checkpoint-2")  # (a run resumed from checkpoint-1 replaces it)
     rc, log, resumed = torchrun(args + ["--resume", str(out / "checkpoint-1")], out, nproc=8, script=str(launcher))
     assert rc == 0 and "continuing at step 1" in log, log[-3000:]
     for key in ("reward", "completions/total_tokens", "prompts/hash"):
