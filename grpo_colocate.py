@@ -1368,9 +1368,7 @@ def preflight(cfg: Config, world: int) -> Plan:
     job = f"job {os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', os.getpid())}"
     try:
         agree(check_options_and_claim_output_dir, cfg, world, job)
-        plan = agree(check_model_data_and_resume, cfg, world, job)
-        agree(clear_output_dir, cfg)  # (only now that every check has passed)
-        return plan
+        return agree(check_model_data_and_resume, cfg, world, job)
     except ConfigError:
         for lock_file in OUTPUT_DIR_LOCK:  # a refused run holds no lock (the process may go on, as in the tests)
             lock_file.close()
@@ -1396,28 +1394,27 @@ def check_options_and_claim_output_dir(cfg: Config, world: int, job: str) -> Non
         ) from None
     earlier = earlier_run_files(cfg.output_dir)
     if earlier and not continues_run(cfg) and not cfg.overwrite_output_dir:
-        raise ConfigError(
-            f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass --resume latest to continue it, "
-            "--overwrite_output_dir to replace it, or another folder"
-        )
+        advice = "--overwrite_output_dir to replace it, or another folder"
+        advice = advice if cfg.resume else f"--resume latest to continue it, {advice}"  # (not a checkpoint of it)
+        raise ConfigError(f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass {advice}")
 
 
 def continues_run(cfg: Config) -> bool:
     """--resume continues the run in output_dir (latest, or one of its checkpoints), not one saved elsewhere."""
     if cfg.resume == "latest":
         return True
-    return bool(cfg.resume) and Path(cfg.resume).resolve().parent == Path(cfg.output_dir).resolve()
+    return bool(cfg.resume) and Path(cfg.resume).absolute().parent.resolve() == Path(cfg.output_dir).resolve()
 
 
 def clear_output_dir(cfg: Config) -> None:
-    """--overwrite_output_dir: rank 0 deletes the earlier run's files."""
+    """--overwrite_output_dir: rank 0 deletes the earlier run's files (main calls this once the set-up has worked)."""
     if RANK != 0 or not cfg.overwrite_output_dir:
         return
     for path in earlier_run_files(cfg.output_dir):
-        if os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
-            os.remove(path)
+            os.remove(path)  # (a file, or a link: what it points to stays)
 
 
 OUTPUT_DIR_LOCK = []  # rank 0's open lock file: held while the process lives, released by the kernel when it ends
@@ -1565,19 +1562,20 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
                 f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; an exact resume needs the "
                 "same number of ranks, --seed and --vllm_tensor_parallel_size"
             )
-    newer = [c for c in checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
-    newer = [c for c in newer if not missing_checkpoint_files(c, world)]
-    if newer and continues_run(cfg):  # (the new steps would be mixed with theirs, and `latest` would pick them)
-        raise ConfigError(
-            f"--resume {path}: output_dir holds {newer[-1]}, saved after it by the run this one would branch off; "
-            "move the newer checkpoints out of output_dir first"
-        )
     missing = missing_checkpoint_files(path, world)
     if missing:
         complete = [c for c in checkpoints(cfg.output_dir) if c != path and not missing_checkpoint_files(c, world)]
         older = f"; {complete[-1]} is complete" if complete else "; no other checkpoint there is complete"
         raise ConfigError(
             f"--resume {path}: incomplete checkpoint, {len(missing)} files missing ({missing[0]}){older}"
+        )
+    newer = [c for c in checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
+    newer = [c for c in newer if not missing_checkpoint_files(c, world)]
+    if newer and continues_run(cfg):  # (the new steps would be mixed with theirs, and `latest` would pick them)
+        raise ConfigError(
+            f"--resume {path}: output_dir also holds {newer[-1]}, a later checkpoint of the same run; to branch off "
+            f"from step {state['step']}, pass another --output_dir (or move the later checkpoints out of this one: "
+            "its logs then restart there)"
         )
     return path, state["step"]
 
@@ -1780,8 +1778,7 @@ class RunLog:
         for row in rows[: self.num_completions_to_print if show else 0]:
             prompt = " ".join(str(row["prompt"]).split())[-150:]  # (on one line, the end of a long one)
             completion = " ".join(row["completion"].split())[:300]
-            reward = "none" if row["reward"] is None else f"{row['reward']:.2f}"
-            say(f"  reward {reward} | advantage {row['advantage']:+.2f} | {prompt} -> {completion}")
+            say(f"  reward {row['reward']:.2f} | advantage {row['advantage']:+.2f} | {prompt} -> {completion}")
 
     def close(self, failed: bool = False) -> None:
         """Each tracker's run ends; wandb marks a run that ended in an error as failed, not finished."""
@@ -1794,7 +1791,7 @@ class RunLog:
 
 def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_columns: dict) -> list[dict]:
     """This rank's samples of a step as rows for completions.jsonl: the prompt's last message, the completion, its
-    rewards (None where unscored: JSON has no NaN) and advantage, and the columns reward functions logged."""
+    rewards (NaN where unscored: null in the file) and advantage, and the columns reward functions logged."""
     ours = ["step", "prompt", "completion", "reward", "advantage"] + [f"rewards/{name}" for name in by_function]
     extra = {}
     for column, values in extra_columns.items():
@@ -1812,7 +1809,7 @@ def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_c
             record[f"rewards/{name}"] = values[i].item()
         for column, values in extra.items():
             record[column] = values[i]
-        rows.append({name: None if isinstance(v, float) and math.isnan(v) else v for name, v in record.items()})
+        rows.append(record)
     return rows
 
 
@@ -1864,8 +1861,13 @@ def keep_steps_before(path: str, first_step: int) -> None:
 
 
 def append_jsonl(path: str, records: list[dict]) -> None:
+    """Records as JSON lines; NaN and inf as null (e.g. the mean over no samples): JSON has no NaN."""
+    lines = []
+    for record in records:
+        record = {name: None if isinstance(v, float) and not math.isfinite(v) else v for name, v in record.items()}
+        lines.append(json.dumps(record, default=json_value) + "\n")
     with open(path, "a") as f:
-        f.writelines(json.dumps(record, default=json_value) + "\n" for record in records)
+        f.writelines(lines)
 
 
 def json_value(value):
@@ -1895,6 +1897,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = preflight(cfg, dist.get_world_size())
         torch.manual_seed(cfg.seed)
         parts = setup(cfg, plan)
+        agree(clear_output_dir, cfg)  # --overwrite_output_dir: the earlier run goes only now that set-up has worked
         # on rank 0 the trackers start a run now that set-up worked; a failure there stops every rank with one line
         run_log = agree(RunLog, cfg, plan.first_step)
         try:

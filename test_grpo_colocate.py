@@ -567,11 +567,14 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
         (1.0, "abcd", 1.0, 2),
     ]
     assert "step" not in rows[0]  # (RunLog.completions adds the step)
-    # and a sample no reward could score is null in the JSON log (JSON has no NaN)
+    # and a sample no reward could score is null in the JSON log (JSON has no NaN), as is a mean over no samples
     total[0] = math.nan
-    rows = g.completion_rows(r, total, {"curriculum": total}, torch.zeros(2), {})
+    g.append_jsonl(str(tmp_path / "nan.jsonl"), g.completion_rows(r, total, {"curriculum": total}, torch.zeros(2), {}))
+    g.append_jsonl(str(tmp_path / "nan.jsonl"), [{"step": 0, "rewards/correctness": math.nan, "loss": math.inf}])
+    lines = (tmp_path / "nan.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # (strict JSON: no NaN, no Infinity)
     assert rows[0]["reward"] is None and rows[0]["rewards/curriculum"] is None and rows[1]["reward"] == 1.0
-    assert json.loads(json.dumps(rows[0], allow_nan=False))["reward"] is None
+    assert rows[2] == {"step": 0, "rewards/correctness": None, "loss": None}
 
 
 def test_a_column_named_like_a_reward_argument_is_refused(tmp_path):
@@ -1326,11 +1329,20 @@ def test_resume_checks_ranks_seed_and_tp(tmp_path):
     with pytest.raises(g.ConfigError) as e:
         g.find_checkpoint(older, 2)
     assert str(e.value) == (
-        f"--resume {tmp_path / 'checkpoint-2'}: output_dir holds {tmp_path / 'checkpoint-4'}, saved after it by the "
-        "run this one would branch off; move the newer checkpoints out of output_dir first"
+        f"--resume {tmp_path / 'checkpoint-2'}: output_dir also holds {tmp_path / 'checkpoint-4'}, a later checkpoint "
+        "of the same run; to branch off from step 2, pass another --output_dir (or move the later checkpoints out of "
+        "this one: its logs then restart there)"
     )
-    # the same checkpoint, to start a new run in another folder
+    # the same checkpoint, to start a new run in another folder; and a checkpoint from elsewhere into this folder
+    # (which --overwrite_output_dir empties)
     assert g.find_checkpoint(g.Config(output_dir=str(tmp_path / "new"), resume=older.resume), 2)[1] == 2
+    fake_checkpoint(tmp_path / "elsewhere" / "checkpoint-2", 2, 2)
+    elsewhere = str(tmp_path / "elsewhere" / "checkpoint-2")
+    assert g.find_checkpoint(g.Config(output_dir=str(tmp_path), resume=elsewhere), 2)[1] == 2
+    # a checkpoint folder of output_dir that is a link to storage elsewhere is still one of its checkpoints
+    os.symlink(tmp_path / "elsewhere" / "checkpoint-2", tmp_path / "checkpoint-1")
+    assert g.continues_run(g.Config(output_dir=str(tmp_path), resume=str(tmp_path / "checkpoint-1")))
+    assert not g.continues_run(g.Config(output_dir=str(tmp_path), resume=elsewhere))
 
 
 def test_resume_refuses_a_checkpoint_with_files_missing(tmp_path):
@@ -1515,6 +1527,7 @@ def _preflight_worker(rank, world, port, model, base, q):
         )
         try:
             start = g.preflight(cfg, world)
+            g.agree(g.clear_output_dir, cfg)  # (main: once set-up has worked)
             out.append((case, "ok", start.resume_dir, start.first_step, len(start.source.eval_rows)))
         except g.ConfigError as e:
             out.append((case, str(e)))
@@ -1575,11 +1588,14 @@ def test_preflight_output_dir_writable_shared_and_one_run_at_a_time(tmp_path):
             "--resume latest to continue it, --overwrite_output_dir to replace it, or another folder (on rank 0)",
         )
         assert out[5] == ("resume it", "ok", str(tmp_path / "done" / "checkpoint-2"), 2, 128)
-        assert out[6][1].startswith(f"--output_dir {tmp_path / 'done'} holds another run")  # not to mix two runs
+        assert out[6][1] == (  # a checkpoint from elsewhere is not one of its own: the two runs would mix
+            f"--output_dir {tmp_path / 'done'} holds another run ({tmp_path / 'done' / 'metrics.jsonl'}): pass "
+            "--overwrite_output_dir to replace it, or another folder (on rank 0)"
+        )
         assert out[7][1] == "--overwrite_output_dir would delete what --resume latest needs"
         assert out[8][1].startswith("--reward_funcs nope: neither one of")  # a check after the first: the
         assert out[9] == [".lock", "checkpoint-2", "checkpoint-3.tmp", "metrics.jsonl"]  # earlier run is all there,
-        assert out[10] == ("overwrite it", "ok", None, 0, 128)  # deleted once every check has passed
+        assert out[10] == ("overwrite it", "ok", None, 0, 128)  # deleted once every check has passed (then set-up)
     assert sorted(os.listdir(tmp_path / "run")) == [".lock"]  # the token is gone; the lock file stays, unlocked
     assert sorted(os.listdir(tmp_path / "replaced")) == [".lock"]  # the earlier run's files, all of them
     assert "metrics.jsonl" in os.listdir(tmp_path / "done")  # refused, then resumed: nothing removed
