@@ -139,7 +139,9 @@ class Config:
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass")
     output_dir: str = HfArg(default="runs/grpo", help="metrics, checkpoints, the final model (shared by all nodes)")
     overwrite_output_dir: bool = HfArg(default=False, help="delete another run's metrics and checkpoints there first")
-    save_steps: int = HfArg(default=0, help="save a resumable checkpoint every this many steps; 0 = only the end")
+    save_steps: int = HfArg(
+        default=0, help="save a resumable checkpoint every this many steps (0: only at a stop signal)"
+    )
     save_total_limit: int | None = HfArg(default=None, help="keep the newest N checkpoints (default: all)")
     resume: str = HfArg(default="", help='"latest" (newest complete checkpoint in output_dir) or a checkpoint folder')
     report_to: list[str] = HfArg(default_factory=lambda: ["none"], help="none, or any of tensorboard, wandb, trackio")
@@ -152,6 +154,8 @@ class Config:
             self.epsilon_high = self.epsilon
         if self.reward_weights is None:
             self.reward_weights = [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
+        if self.resume and Path(self.resume).resolve() == Path(self.output_dir).resolve():
+            self.resume = "latest"  # (output_dir itself: its newest checkpoint)
 
     @property
     def completions_per_rank(self) -> int:
@@ -233,6 +237,7 @@ class ArithmeticTask:
         self.seed = seed
         self.eval_rows = [arithmetic_row(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
         self.held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
+        self.prompts_by_roles = {}  # (every row has the roles of row 0)
 
     def __getitem__(self, i: int) -> dict:
         row = arithmetic_row(random.Random(f"{self.seed}:{i}"))
@@ -258,12 +263,15 @@ class DatasetRows:
         self.eval_rows = dataset.select(range(num_eval)).to_list()
         held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
         prompts = list(dataset["prompt"])
+        self.prompts_by_roles = {}  # one prompt per sequence of roles (preflight puts each through the chat template)
         for i, prompt in enumerate(prompts):
             if not is_prompt(prompt):
                 raise ConfigError(
                     f"--dataset_name: row {i}'s prompt {str(prompt)[:80]!r} is neither text nor a list of "
                     "{'role', 'content'} messages"
                 )
+            roles = "text" if isinstance(prompt, str) else "/".join(message["role"] for message in prompt)
+            self.prompts_by_roles.setdefault(roles, prompt)
         self.train_indices = [i for i in range(num_eval, len(dataset)) if prompt_key(prompts[i]) not in held_out]
         if not self.train_indices:
             raise ConfigError(f"--dataset_name: no training rows after the {num_eval} eval rows (--num_eval_prompts)")
@@ -442,15 +450,25 @@ def reward_function(name: str):
 
 def reward_kwargs(r: Rollouts) -> dict[str, list]:
     """What TRL passes a reward function per completion, by name: completions (text, or an assistant message for a
-    conversational prompt), prompts, completion_ids, and every other column of the row."""
-    completions = [
-        t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
-        for t, row in zip(r.texts, r.rows, strict=True)
-    ]
+    conversational prompt), prompts, completion_ids, and every other column of the row. A prompt that ends with the
+    start of the reply (an assistant message) hands that start over as part of the completion, as TRL does."""
+    completions = []
+    prompts = []
+    for text, row in zip(r.texts, r.rows, strict=True):
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            completions.append(text)
+            prompts.append(prompt)
+        elif prompt[-1]["role"] == "assistant":  # (the completion continued it)
+            completions.append([{"role": "assistant", "content": prompt[-1]["content"] + text}])
+            prompts.append(prompt[:-1])
+        else:
+            completions.append([{"role": "assistant", "content": text}])
+            prompts.append(prompt)
     columns = [column for column in (r.rows[0] if r.rows else []) if column != "prompt"]
     # (prompt_source refuses columns named like the arguments below)
     kwargs = {column: [row[column] for row in r.rows] for column in columns}
-    kwargs.update(completions=completions, prompts=[row["prompt"] for row in r.rows], completion_ids=r.completions)
+    kwargs.update(completions=completions, prompts=prompts, completion_ids=r.completions)
     return kwargs
 
 
@@ -467,21 +485,28 @@ class RewardLog:
         self.prefix = prefix  # "eval/" at evals
         self.columns = defaultdict(list)
 
+    # A bad call loses its metric or column with a warning, but does not fail the reward function that made it.
     def log_metric(self, name: str, value: float) -> None:
-        self.stats.mean(self.prefix + name, float(value), 1)
+        try:
+            self.stats.mean(self.prefix + name, float(value), 1)
+        except (TypeError, ValueError, RuntimeError) as e:  # not a number, or a name we record as a max, min or sum
+            warn_once(f"warning: rank {RANK}: log_metric({name!r}, ...) not logged: {first_line(e)}")
 
     def log_extra(self, column: str, values: list) -> None:
-        self.columns[column].extend(values)  # (as TRL: each call extends the column)
+        try:
+            self.columns[column].extend(values)  # (as TRL: each call extends the column)
+        except TypeError as e:
+            warn_once(f"warning: rank {RANK}: log_extra({column!r}, ...) not logged: {first_line(e)}")
 
     def kwargs(self) -> dict:
         return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
 
 
-def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tuple[list[float], list[str]]:
-    """fn's rewards, NaN where it returns None (it cannot score that sample) and where it raises or returns anything
-    but a finite number (a reward bug must not end the run), with a line per sample that went wrong. If the batch call
-    fails, each sample is scored alone to find the culprits (what it logs then is ignored). kwargs: one entry per
-    sample; shared: passed as it is."""
+def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tuple[list[float], list[str | None]]:
+    """fn's rewards, and per sample what went wrong (None: nothing). A reward is NaN where fn returns None (it cannot
+    score that sample: not an error) and where it raises or returns anything but a finite number (an error: a reward
+    bug must not end the run). If the batch call fails, each sample is scored alone to find the culprits (what it logs
+    then is ignored). kwargs: one entry per sample; shared: passed as it is."""
     shared = shared or {}
     n = len(kwargs["completions"])
     if n == 0:
@@ -501,14 +526,11 @@ def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tup
                 values[i] = next(iter(fn(**one_sample, **quiet)))
             except Exception as e:
                 errors[i] = first_line(e)
-    rewards = []
-    problems = []
-    for value, error in zip(values, errors, strict=True):
-        reward = as_reward(value)
-        rewards.append(reward)
-        if math.isnan(reward) and (value is not None or error):
-            problems.append(error or f"returned {value!r:.200}")
-    return rewards, problems
+    rewards = [as_reward(value) for value in values]
+    for i, (value, reward) in enumerate(zip(values, rewards, strict=True)):
+        if errors[i] is None and value is not None and math.isnan(reward):
+            errors[i] = f"returned {value!r:.200}"
+    return rewards, errors
 
 
 def ignore(*args, **kwargs) -> None:
@@ -528,25 +550,30 @@ def as_reward(value) -> float:
 
 
 def score(r: Rollouts, reward_funcs: dict, weights: list[float], log: RewardLog):
-    """The weighted total reward [B] over the functions that could score each sample (NaN where none could), and
-    each function's rewards {name: [B]}; each one's mean over the samples it scored, and its failures, in log.stats."""
+    """The weighted total reward [B] over the functions that could score each sample, and each function's rewards
+    {name: [B]}; each one's mean over the samples it scored, and its failures, in log.stats. The total is NaN (the
+    sample is left out of its group) where no function could score the sample, and where one failed on it: a total
+    without that function's part would rank the sample below its group for a bug."""
     kwargs = reward_kwargs(r)
     stats = log.stats
     by_function = {}
+    failed = torch.zeros(len(r.texts), dtype=torch.bool)  # [B]
     for name, fn in reward_funcs.items():
-        values, problems = safe_rewards(fn, kwargs, log.kwargs())
+        values, errors = safe_rewards(fn, kwargs, log.kwargs())
+        problems = [error for error in errors if error]
         if problems:
             say(
                 f"warning: rank {RANK}: reward {name!r} failed for {len(problems)} of {len(values)} samples (first: "
-                f"{problems[0]}); a sample no reward could score is left out of its group"
+                f"{problems[0]}); those samples are left out of their groups"
             )
+        failed |= torch.tensor([error is not None for error in errors], dtype=torch.bool)
         values = torch.tensor(values, dtype=torch.float32)  # [B]
         scored = values[~values.isnan()]  # [scored samples]
         stats.mean(f"{log.prefix}rewards/{name}", scored.sum().item(), scored.numel())
         stats.sum(f"{log.prefix}rewards/failures", len(problems))
         by_function[name] = values
     weighted = torch.stack([w * v for w, v in zip(weights, by_function.values(), strict=True)])  # [functions, B]
-    unscored = weighted.isnan().all(0)  # [B]
+    unscored = weighted.isnan().all(0) | failed  # [B]
     total = weighted.nansum(0).masked_fill(unscored, math.nan)  # [B]
     stats.mean(f"{log.prefix}reward", total.nansum().item(), (~unscored).sum().item())
     return total, by_function
@@ -557,9 +584,9 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
     """rewards [B], completion k of prompt i at i * G + k -> advantages [B] and each group's reward std [B / G].
 
     A completion's advantage is its reward minus its group's mean, divided by the group's std (+ 1e-4) when scale is
-    "group" (the unbiased std, as TRL). A NaN reward (no reward function could score the sample) takes no part in its
-    group's mean and std, and its advantage is 0: scoring it 0 would push the model away from what a reward merely
-    failed to parse."""
+    "group" (the unbiased std, as TRL). A NaN reward (no reward function could score the sample, or one failed on it)
+    takes no part in its group's mean and std, and its advantage is 0: scoring it 0 would push the model away from what
+    a reward merely failed to parse."""
     grouped = rewards.view(-1, num_generations)  # [B / G, G]
     count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # [B / G, 1] the scored samples of each group
     mean = grouped.nansum(dim=1, keepdim=True) / count  # [B / G, 1]
@@ -901,6 +928,16 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     return engine
 
 
+def load_training_state(engine, checkpoint: str, ds_config: dict) -> None:
+    """The weights and optimizer state of every rank from a checkpoint. DeepSpeed's load also puts back the learning
+    rate and weight decay that were saved: this run's replace them (e.g. a lower learning rate after a NaN loss)."""
+    engine.load_checkpoint(os.path.join(checkpoint, "deepspeed"), tag="state")
+    settings = ds_config.get("optimizer", {}).get("params", {})  # (their "auto" values filled from the options)
+    for group in engine.optimizer.param_groups:
+        for key in ("lr", "weight_decay"):
+            group[key] = settings.get(key, group[key])
+
+
 def sequence_logprobs(
     model, prompts: list[list[int]], completions: list[list[int]], temperature: float, device, pad_id
 ):
@@ -1073,14 +1110,12 @@ def setup(cfg: Config, plan: Plan) -> Setup:
             "memory/vllm_asleep_gib": asleep / 2**30,
             "memory/sleep_freed_frac": 1 - asleep / awake,
         }
-        awake_gib = awake / 2**30
-        asleep_gib = asleep / 2**30
-        say(f"vLLM holds {awake_gib:.2f} GiB awake (KV cache: one step's batch), {asleep_gib:.2f} asleep", rank0=True)
+        say(f"vLLM holds {awake / 2**30:.2f} GiB awake (KV cache: one step), {asleep / 2**30:.2f} asleep", rank0=True)
     ds_config = fill_ds_config(cfg, world, bf16=ON_GPU)
     engine = build_trainer(cfg, cfg.model, ds_config, dtype)
     ref = build_trainer(cfg, cfg.model, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
     if plan.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
-        engine.load_checkpoint(os.path.join(plan.resume_dir, "deepspeed"), tag="state")
+        load_training_state(engine, plan.resume_dir, ds_config)
         say(f"resumed from {plan.resume_dir}: continuing at step {plan.first_step}", rank0=True)
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
     per_rank = cfg.completions_per_rank
@@ -1199,6 +1234,15 @@ def say(line: str, rank0: bool = False) -> None:
         print(line + "\n", end="", flush=True)
 
 
+WARNED = set()  # the warnings this process printed: one that would come every step comes once
+
+
+def warn_once(line: str) -> None:
+    if line not in WARNED:
+        WARNED.add(line)
+        say(line)
+
+
 def first_line(error: Exception, limit: int = 200) -> str:
     """An exception's type and the first line of its message, cut to `limit` characters, for a one-line error."""
     message = str(error).strip().split("\n")[0]
@@ -1266,6 +1310,7 @@ def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
         (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
         (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
         (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
+        ("failures" not in reward_names, "--reward_funcs: a function named failures clashes with rewards/failures"),
         (trackers_known, f"--report_to {cfg.report_to}: expected none, tensorboard, wandb or trackio"),
         (cfg.num_completions_to_print >= 0, "--num_completions_to_print must be >= 0"),
         (not (overwrite and continues), f"--overwrite_output_dir would delete what --resume {cfg.resume} needs"),
@@ -1395,7 +1440,8 @@ def check_options_and_claim_output_dir(cfg: Config, world: int, job: str) -> Non
     earlier = earlier_run_files(cfg.output_dir)
     if earlier and not continues_run(cfg) and not cfg.overwrite_output_dir:
         advice = "--overwrite_output_dir to replace it, or another folder"
-        advice = advice if cfg.resume else f"--resume latest to continue it, {advice}"  # (not a checkpoint of it)
+        if checkpoints(cfg.output_dir) and not cfg.resume:  # (--resume named a checkpoint of another folder)
+            advice = f"--resume latest to continue it, {advice}"
         raise ConfigError(f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass {advice}")
 
 
@@ -1474,14 +1520,16 @@ def load_tokenizer(model_path: str):
 
 
 def check_prompts(source, tokenizer) -> None:
-    """The eval rows and the first training row through the chat template: a model without one, or a template that
-    refuses a prompt (e.g. a role it does not take), is one line now rather than a traceback at step 0."""
-    for row in [*source.eval_rows, source[0]]:
+    """The eval rows, the first training row and a prompt of each sequence of roles through the chat template: a model
+    without one, or a template that refuses a prompt (e.g. a role it does not take, or roles out of order), is one line
+    now rather than a traceback mid-run."""
+    prompts = [row["prompt"] for row in [*source.eval_rows, source[0]]] + list(source.prompts_by_roles.values())
+    for prompt in prompts:
         try:
-            chat_prompt_ids(tokenizer, row["prompt"])
+            chat_prompt_ids(tokenizer, prompt)
         except Exception as e:
-            prompt = str(row["prompt"])[:60]
-            message = f"the prompt {prompt!r} does not go through the model's chat template ({first_line(e, 160)})"
+            shown = str(prompt)[:60]
+            message = f"the prompt {shown!r} does not go through the model's chat template ({first_line(e, 160)})"
             raise ConfigError(f"--dataset_name: {message}") from None
 
 
@@ -1646,17 +1694,12 @@ class Stats:
         names = sorted(self.kinds)
         if not names:
             return {}
+        combine = {"mean": torch.sum, "sum": torch.sum, "max": torch.max, "min": torch.min}
         values = []  # per name: its records combined, a 0-d float64 tensor on `device`
-        counts = []  # per name: its count (0 but for means)
         for name in names:
             records = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in self.values[name]])
-            if self.kinds[name] == "max":
-                values.append(records.max())
-            elif self.kinds[name] == "min":
-                values.append(records.min())
-            else:
-                values.append(records.sum())
-            counts.append(torch.as_tensor(self.counts[name], dtype=torch.float64, device=device))
+            values.append(combine[self.kinds[name]](records))
+        counts = [torch.as_tensor(self.counts[name], dtype=torch.float64, device=device) for name in names]  # (means)
         value_row, count_row = torch.stack([torch.stack(values), torch.stack(counts)]).tolist()  # [2, names]
         return {name: (self.kinds[name], value_row[i], count_row[i]) for i, name in enumerate(names)}
 
@@ -1747,8 +1790,7 @@ class RunLog:
         self.trackers = []  # (name in --report_to, its run)
         if RANK == 0:
             keep_steps_before(self.metrics_path, first_step)
-            if cfg.log_completions:
-                keep_steps_before(self.completions_path, first_step)
+            keep_steps_before(self.completions_path, first_step)  # (also if this run does not log completions)
             for name in cfg.report_to:
                 if name == "none":
                     continue
@@ -1796,9 +1838,11 @@ def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_c
     extra = {}
     for column, values in extra_columns.items():
         if column in ours:
-            say(f"warning: rank {RANK}: log_extra({column!r}) not logged: completions.jsonl has a column of that name")
+            warn_once(f"warning: rank {RANK}: log_extra({column!r}) not logged: completions.jsonl has such a column")
         elif len(values) != len(r.rows):
-            say(f"warning: rank {RANK}: log_extra({column!r}) not logged: {len(values)} values, {len(r.rows)} samples")
+            warn_once(
+                f"warning: rank {RANK}: log_extra({column!r}) not logged: {len(values)} values, {len(r.rows)} samples"
+            )
         else:
             extra[column] = values
     rows = []
@@ -1861,19 +1905,24 @@ def keep_steps_before(path: str, first_step: int) -> None:
 
 
 def append_jsonl(path: str, records: list[dict]) -> None:
-    """Records as JSON lines; NaN and inf as null (e.g. the mean over no samples): JSON has no NaN."""
-    lines = []
-    for record in records:
-        record = {name: None if isinstance(v, float) and not math.isfinite(v) else v for name, v in record.items()}
-        lines.append(json.dumps(record, default=json_value) + "\n")
+    """Records as JSON lines, in strict JSON: JSON has no NaN (e.g. the mean over no samples)."""
+    lines = [json.dumps(json_safe(record)) + "\n" for record in records]
     with open(path, "a") as f:
         f.writelines(lines)
 
 
-def json_value(value):
-    """What json cannot write itself, e.g. a value a reward function logged: numpy and torch numbers and arrays as
-    numbers and lists, anything else as its text."""
-    return value.tolist() if hasattr(value, "tolist") else str(value)
+def json_safe(value):
+    """value as JSON can hold it, at any depth: numpy and torch numbers and arrays (e.g. what a reward function logged)
+    as numbers and lists, NaN and inf as None, any other object as its text."""
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(key): json_safe(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value if value is None or isinstance(value, (str, int)) else str(value)
 
 
 # --------------------------------------------------------------------------------------------- main

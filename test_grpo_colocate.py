@@ -385,6 +385,14 @@ def test_prompts_the_chat_template_cannot_take_are_refused_in_preflight(tmp_path
         match="the prompt .* does not go through the model's chat template \\(TemplateError: no system role\\)",
     ):
         g.check_prompts(source, tok)
+    # however deep in the data the one prompt is that the template refuses
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(40)]
+    rows[33]["prompt"].insert(0, {"role": "system", "content": "s"})
+    path = write_dataset(tmp_path / "late.jsonl", rows)
+    source = g.prompt_source(g.Config(dataset_name=path, reward_funcs=["brevity"], num_eval_prompts=1))
+    assert "system" not in str([source[0], *source.eval_rows]) and len(source.prompts_by_roles) == 2
+    with pytest.raises(g.ConfigError, match="TemplateError: no system role"):
+        g.check_prompts(source, tok)
     tok.chat_template = template
     with pytest.raises(g.ConfigError, match="--model .*: its tokenizer cannot be loaded \\("):
         g.load_tokenizer(tiny_llama_folder(tmp_path / "no_tokenizer"))
@@ -494,18 +502,26 @@ def test_reward_functions_get_what_trl_gives_them():
         ]
 
     chat = [{"role": "user", "content": "q"}]
+    # a prompt that starts the reply: the reward sees that start as part of the completion, and not in the prompt
+    prefilled = [*chat, {"role": "assistant", "content": "<think>"}]
     rows = [{"prompt": "p", "solution": "a", "level": 1}, {"prompt": chat, "solution": "b", "level": 2}]
-    r = rollouts(["a", "x"], rows, completions=[[5, 6], [7]])
+    rows.append({"prompt": prefilled, "solution": "<think>c", "level": 3})
+    r = rollouts(["a", "x", "c"], rows, completions=[[5, 6], [7], [8]])
     total, by_function = g.score(r, {"spy": spy}, [2.0], g.RewardLog(0, 0, g.Stats()))
     assert seen == {
-        "completions": ["a", [{"role": "assistant", "content": "x"}]],
-        "prompts": ["p", chat],
-        "completion_ids": [[5, 6], [7]],
-        "solution": ["a", "b"],
-        "level": [1, 2],
+        "completions": [
+            "a",
+            [{"role": "assistant", "content": "x"}],
+            [{"role": "assistant", "content": "<think>c"}],
+        ],
+        "prompts": ["p", chat, chat],
+        "completion_ids": [[5, 6], [7], [8]],
+        "solution": ["a", "b", "<think>c"],
+        "level": [1, 2, 3],
         "extra": ["log_extra", "log_metric", "trainer_state"],
     }
-    assert total.tolist() == [2.0, 0.0] and by_function["spy"].tolist() == [1.0, 0.0]
+    assert total.tolist() == [2.0, 0.0, 2.0] and by_function["spy"].tolist() == [1.0, 0.0, 1.0]
+    assert prefilled[-1]["role"] == "assistant"  # (the row itself is left as it was)
 
 
 def local_totals(stats):
@@ -535,7 +551,7 @@ def _reward_log_worker(rank, world, port, q):
     dist.destroy_process_group()
 
 
-def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
+def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path, capsys):
     """A reward function reads the step from trainer_state, logs a metric (its mean over every rank's calls goes into
     the step's metrics) and a column (into completions.jsonl's rows, as plain JSON numbers)."""
     r = rollouts(["ab", "abcd"], [{"prompt": "p"}, {"prompt": "p"}])
@@ -551,11 +567,16 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
         assert math.isnan(metrics.pop("rewards/none_scored"))  # not 0, which would read as "all wrong"
         expected = {"reward": 1.0, "rewards/curriculum": 1.0, "rewards/failures": 0.0, "mean_chars": 6.5}
         assert metrics == {**expected, "rank1_only": 7.0, "rank1_max": 3.0}
-    # a reward function's metric may not change the kind of one of ours (it fails as the function would)
+    # a reward function's metric may not change the kind of one of ours: it is not logged, with a warning
     stats = g.Stats()
     stats.max("completions/max_length", 5)
-    with pytest.raises(ValueError, match="metric 'completions/max_length' is a max, recorded now as a mean"):
-        g.RewardLog(0, 10, stats).log_metric("completions/max_length", 1.0)
+    g.RewardLog(0, 10, stats).log_metric("completions/max_length", 1.0)
+    assert local_totals(stats) == {"completions/max_length": (5.0, 0.0)}
+    out = capsys.readouterr().out
+    assert (
+        "log_metric('completions/max_length', ...) not logged: ValueError: metric 'completions/max_length' is a max"
+        in out
+    )
     # a column with one value per call, not per sample (two calls here) is left out, with a warning
     log.log_extra("chars", [1, 2])
     assert "chars" not in g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)[0]
@@ -571,10 +592,13 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path):
     total[0] = math.nan
     g.append_jsonl(str(tmp_path / "nan.jsonl"), g.completion_rows(r, total, {"curriculum": total}, torch.zeros(2), {}))
     g.append_jsonl(str(tmp_path / "nan.jsonl"), [{"step": 0, "rewards/correctness": math.nan, "loss": math.inf}])
+    extra = {"tensor": torch.tensor([math.nan, 1.0]), "nested": {"x": [np.float32("nan"), np.int64(2)]}, "ok": True}
+    g.append_jsonl(str(tmp_path / "nan.jsonl"), [extra])  # (what log_extra may hold, at any depth)
     lines = (tmp_path / "nan.jsonl").read_text().splitlines()
     rows = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # (strict JSON: no NaN, no Infinity)
     assert rows[0]["reward"] is None and rows[0]["rewards/curriculum"] is None and rows[1]["reward"] == 1.0
     assert rows[2] == {"step": 0, "rewards/correctness": None, "loss": None}
+    assert rows[3] == {"tensor": [None, 1.0], "nested": {"x": [None, 2]}, "ok": True}
 
 
 def test_a_column_named_like_a_reward_argument_is_refused(tmp_path):
@@ -613,25 +637,25 @@ def test_a_failing_reward_is_left_out_and_counted(capsys):
         ]
 
     texts = ["ok", "boom", "nan", "str", "none", "ok"]
-    values, problems = g.safe_rewards(picky, {"completions": texts, "answer": ["1"] * 6})
+    values, errors = g.safe_rewards(picky, {"completions": texts, "answer": ["1"] * 6})
     assert values[0] == values[5] == 1.0 and all(math.isnan(v) for v in values[1:5])
     # None is TRL's "cannot score this sample": left out, not a failure
-    assert len(problems) == 3 and "ValueError: cannot parse" in problems[0] and "returned '?'" in problems[2]
+    assert errors == [None, "ValueError: cannot parse", "returned nan", "returned '?'", None, None]
     # a batch call returning the wrong number of rewards falls back to scoring one sample at a time;
     # numpy numbers count
-    assert g.safe_rewards(lambda completions: [1.0], {"completions": ["x", "y"]}) == ([1.0, 1.0], [])
+    assert g.safe_rewards(lambda completions: [1.0], {"completions": ["x", "y"]}) == ([1.0, 1.0], [None, None])
     import numpy as np
 
     def numpy_values(completions):
         return [np.float32(0.5), np.int64(1), True]
 
-    assert g.safe_rewards(numpy_values, {"completions": ["x", "y", "z"]}) == ([0.5, 1.0, 1.0], [])
+    assert g.safe_rewards(numpy_values, {"completions": ["x", "y", "z"]}) == ([0.5, 1.0, 1.0], [None] * 3)
 
     def array_values(completions):  # numpy's bools and 0-d tensors count too; a tensor of several values does not
         return [np.bool_(True), torch.tensor(0.25), torch.tensor([1.0, 2.0])]
 
-    values, problems = g.safe_rewards(array_values, {"completions": ["x", "y", "z"]})
-    assert values[:2] == [1.0, 0.25] and math.isnan(values[2]) and problems == ["returned tensor([1., 2.])"]
+    values, errors = g.safe_rewards(array_values, {"completions": ["x", "y", "z"]})
+    assert values[:2] == [1.0, 0.25] and math.isnan(values[2]) and errors == [None, None, "returned tensor([1., 2.])"]
     assert g.safe_rewards(picky, {"completions": [], "answer": []}) == ([], [])  # (a rank without eval rows)
 
     def logging_generator(completions, log_metric, **kwargs):  # a generator, that logs, then fails on one sample
@@ -642,25 +666,46 @@ def test_a_failing_reward_is_left_out_and_counted(capsys):
             yield 0.5
 
     stats = g.Stats()
-    values, problems = g.safe_rewards(
+    values, errors = g.safe_rewards(
         logging_generator, {"completions": ["a", "boom", "c"]}, g.RewardLog(0, 0, stats).kwargs()
     )
-    assert values[0] == values[2] == 0.5 and math.isnan(values[1]) and len(problems) == 1
+    assert values[0] == values[2] == 0.5 and math.isnan(values[1]) and errors[1] and not errors[0]
     assert local_totals(stats)["calls"] == (1.0, 1)  # the samples scored alone after the failed call log nothing
-    r = rollouts(["ok", "boom", "<answer>1</answer>"], [{"prompt": "p", "answer": "1"}] * 3)
+    # a bad log_metric / log_extra call loses what it logs (with a warning), never the rewards: one call, no retries
+    calls = []
+
+    def bad_logger(completions, log_metric, log_extra, **kwargs):
+        calls.append(len(completions))
+        log_metric("none", None)
+        log_metric("several", torch.tensor([1.0, 2.0]))
+        log_metric("rewards/failures", 1.0)  # ours is a sum, not a mean
+        log_extra("column", 3)
+        return [1.0] * len(completions)
+
+    stats = g.Stats()
+    stats.sum("rewards/failures", 0)
+    assert g.safe_rewards(bad_logger, {"completions": ["a", "b"]}, g.RewardLog(0, 0, stats).kwargs())[0] == [1.0] * 2
+    assert calls == [2] and set(local_totals(stats)) == {"rewards/failures"}
+    out = capsys.readouterr().out
+    assert "log_metric('none', ...) not logged: TypeError" in out and "log_extra('column', ...) not logged" in out
+    assert "log_metric('rewards/failures', ...) not logged: ValueError" in out
+    # a sample that a function failed on is left out of its group, even where another function scored it; one that a
+    # function merely could not score (None) still counts with the others' rewards
+    r = rollouts(["ok", "boom", "<answer>1</answer>", "none"], [{"prompt": "p", "answer": "1"}] * 4)
     stats = g.Stats()
     total, _ = g.score(r, {"picky": picky, "correctness": g.correctness_reward}, [1.0, 2.0], g.RewardLog(0, 0, stats))
     totals = local_totals(stats)
     assert totals["rewards/failures"][0] == 1
-    assert total.tolist() == [1.0, 0.0, 3.0]  # "boom": correctness still scores it
+    assert total[0] == 1.0 and math.isnan(total[1]) and total[2] == 3.0 and total[3] == 0.0
     assert totals["rewards/picky"] == (2.0, 2) and totals["reward"] == (4.0, 3)  # means over the scored samples
+    assert totals["rewards/correctness"] == (1.0, 4)  # (its own mean still counts the sample picky failed on)
     stats = g.Stats()
     total, _ = g.score(r, {"picky": picky}, [1.0], g.RewardLog(0, 0, stats))
     # none could: NaN, left out
     totals = local_totals(stats)
-    assert totals["rewards/failures"][0] == 1 and math.isnan(total[1]) and total[0] == 1.0
+    assert totals["rewards/failures"][0] == 1 and math.isnan(total[1]) and math.isnan(total[3]) and total[0] == 1.0
     assert totals["reward"][1] == 2
-    assert "reward 'picky' failed for 1 of 3 samples (first: ValueError: cannot parse)" in capsys.readouterr().out
+    assert "reward 'picky' failed for 1 of 4 samples (first: ValueError: cannot parse)" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------- config, validation, plumbing
@@ -1235,6 +1280,33 @@ def test_a_tracker_is_imported_only_when_asked_for_and_must_be_installed(monkeyp
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE).stdout == "[]\n"
 
 
+def test_output_dir_advice_and_resume_of_output_dir_itself(monkeypatch, tmp_path):
+    """A folder with another run's logs but no checkpoint is not told to --resume latest (there is nothing to resume);
+    --resume naming output_dir itself means its newest checkpoint."""
+    monkeypatch.setattr(g, "RANK", 0)
+
+    def claim(cfg):
+        try:
+            g.check_options_and_claim_output_dir(cfg, 1, "job t")
+        finally:
+            for lock_file in g.OUTPUT_DIR_LOCK:  # (as preflight does when it refuses)
+                lock_file.close()
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(g.ConfigError) as e:
+        claim(g.Config(output_dir=str(tmp_path)))
+    metrics = tmp_path / "metrics.jsonl"
+    assert str(e.value).endswith(f"({metrics}): pass --overwrite_output_dir to replace it, or another folder")
+    fake_checkpoint(tmp_path / "checkpoint-2", 2, world=1)
+    with pytest.raises(g.ConfigError, match="pass --resume latest to continue it, --overwrite_output_dir"):
+        claim(g.Config(output_dir=str(tmp_path)))
+    for resume in (str(tmp_path), str(tmp_path) + "/", str(tmp_path / "checkpoint-2" / "..")):
+        assert g.Config(output_dir=str(tmp_path), resume=resume).resume == "latest"
+    cfg = g.Config(output_dir=str(tmp_path), resume=str(tmp_path))
+    claim(cfg)  # (it continues the run there)
+    assert g.find_checkpoint(cfg, 1) == (str(tmp_path / "checkpoint-2"), 2)
+
+
 def test_a_tp_group_must_not_span_nodes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 ranks
     g.validate_options(g.Config(vllm_tensor_parallel_size=2), 4, on_gpu=False)
@@ -1711,6 +1783,39 @@ def _zero3_worker(rank, world, port, model, q):
     )  # ZeRO-3's fetch units
     q.put((rank, out))
     dist.destroy_process_group()
+
+
+def _resume_settings_worker(rank, world, port, model, out_dir, q):
+    """A ZeRO-3 checkpoint saved at lr 1e-3 and weight decay 0.1, loaded by a run with lr 1e-6 and no weight decay."""
+    join_group(rank, world, port)
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    saved = g.Config(learning_rate=1e-3, weight_decay=0.1, per_device_train_batch_size=2)
+    engine = g.build_trainer(saved, model, g.fill_ds_config(saved, world, bf16=False), torch.float32)
+    engine.save_checkpoint(os.path.join(out_dir, "deepspeed"), tag="state")
+    resumed = g.Config(learning_rate=1e-6, weight_decay=0.0, per_device_train_batch_size=2)
+    ds_config = g.fill_ds_config(resumed, world, bf16=False)
+    settings = []
+    for load in (
+        lambda engine: engine.load_checkpoint(os.path.join(out_dir, "deepspeed"), tag="state"),  # DeepSpeed's own
+        lambda engine: g.load_training_state(engine, out_dir, ds_config),
+    ):
+        engine = g.build_trainer(resumed, model, ds_config, torch.float32)
+        load(engine)
+        settings.append({(group["lr"], group["weight_decay"]) for group in engine.optimizer.param_groups})
+    q.put((rank, settings))
+    dist.destroy_process_group()
+
+
+def test_a_resumed_run_trains_at_its_own_learning_rate(tmp_path):
+    """DeepSpeed's load_checkpoint puts back the saved learning rate and weight decay; a resumed run uses its own."""
+    model = tiny_llama_folder(tmp_path / "model")
+    for own_load, ours in run_workers(_resume_settings_worker, 2, model, str(tmp_path / "ckpt"), timeout=600).values():
+        assert own_load == {(1e-3, 0.1)}  # (why load_training_state exists)
+        assert ours == {(1e-6, 0.0)}
 
 
 def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
