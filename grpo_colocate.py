@@ -1832,8 +1832,9 @@ class RunLog:
 
 
 def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_columns: dict) -> list[dict]:
-    """This rank's samples of a step as rows for completions.jsonl: the prompt's last message, the completion, its
-    rewards (NaN where unscored: null in the file) and advantage, and the columns reward functions logged."""
+    """This rank's samples of a step as rows for completions.jsonl: the prompt's last message and the completion, as
+    the reward functions saw them (a reply's start given in the prompt is the completion's), its rewards (NaN where
+    unscored: null in the file) and advantage, and the columns reward functions logged."""
     ours = ["step", "prompt", "completion", "reward", "advantage"] + [f"rewards/{name}" for name in by_function]
     extra = {}
     for column, values in extra_columns.items():
@@ -1845,10 +1846,13 @@ def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_c
             )
         else:
             extra[column] = values
+    seen = reward_kwargs(r)
     rows = []
-    for i, (row, text) in enumerate(zip(r.rows, r.texts, strict=True)):
-        prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
-        record = {"prompt": prompt, "completion": text, "reward": rewards[i].item(), "advantage": advantages[i].item()}
+    for i, (prompt, completion) in enumerate(zip(seen["prompts"], seen["completions"], strict=True)):
+        if not isinstance(prompt, str):
+            prompt = prompt[-1]["content"] if prompt else ""
+        record = {"prompt": prompt, "completion": completion_text(completion)}
+        record.update(reward=rewards[i].item(), advantage=advantages[i].item())
         for name, values in by_function.items():
             record[f"rewards/{name}"] = values[i].item()
         for column, values in extra.items():

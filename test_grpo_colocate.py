@@ -522,6 +522,9 @@ def test_reward_functions_get_what_trl_gives_them():
     }
     assert total.tolist() == [2.0, 0.0, 2.0] and by_function["spy"].tolist() == [1.0, 0.0, 1.0]
     assert prefilled[-1]["role"] == "assistant"  # (the row itself is left as it was)
+    # completions.jsonl shows what the rewards saw
+    rows = g.completion_rows(r, total, by_function, torch.zeros(3), {})
+    assert [(row["prompt"], row["completion"]) for row in rows] == [("p", "a"), ("q", "x"), ("q", "<think>c")]
 
 
 def local_totals(stats):
