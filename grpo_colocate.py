@@ -268,7 +268,7 @@ class DatasetRows:
             if not is_prompt(prompt):
                 raise ConfigError(
                     f"--dataset_name: row {i}'s prompt {str(prompt)[:80]!r} is neither text nor a list of "
-                    "{'role', 'content'} messages"
+                    "{'role', 'content': text} messages"
                 )
             roles = "text" if isinstance(prompt, str) else "/".join(message["role"] for message in prompt)
             self.prompts_by_roles.setdefault(roles, prompt)
@@ -293,7 +293,7 @@ def is_prompt(prompt) -> bool:
         return bool(prompt)
     if not isinstance(prompt, list) or not prompt:
         return False
-    return all(isinstance(m, dict) and m.get("role") and m.get("content") is not None for m in prompt)
+    return all(isinstance(m, dict) and m.get("role") and isinstance(m.get("content"), str) for m in prompt)
 
 
 def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
@@ -475,28 +475,40 @@ def reward_kwargs(r: Rollouts) -> dict[str, list]:
 class RewardLog:
     """The rest of TRL's reward arguments for one step (or one eval): trainer_state (transformers' TrainerState, its
     global_step and max_steps set); log_metric(name, value), whose mean over every call on every rank goes into the
-    metrics (stats, under prefix); log_extra(column, values), one value per sample, a column of completions.jsonl."""
+    metrics (add_logged, under prefix); log_extra(column, values), one value per sample, a column of completions.jsonl.
+    `stats` is where score records the rewards' own metrics."""
 
     def __init__(self, step: int, max_steps: int, stats: Stats, prefix: str = ""):
         from transformers import TrainerState
 
         self.trainer_state = TrainerState(global_step=step, max_steps=max_steps)
         self.stats = stats
+        self.logged = Stats()  # log_metric's, apart from ours: a name of ours must not change or break our metric
         self.prefix = prefix  # "eval/" at evals
         self.columns = defaultdict(list)
 
     # A bad call loses its metric or column with a warning, but does not fail the reward function that made it.
     def log_metric(self, name: str, value: float) -> None:
         try:
-            self.stats.mean(self.prefix + name, float(value), 1)
-        except (TypeError, ValueError, RuntimeError) as e:  # not a number, or a name we record as a max, min or sum
+            self.logged.mean(self.prefix + name, float(value), 1)
+        except (TypeError, ValueError, RuntimeError) as e:  # (not a number)
             warn_once(f"warning: rank {RANK}: log_metric({name!r}, ...) not logged: {first_line(e)}")
 
     def log_extra(self, column: str, values: list) -> None:
         try:
-            self.columns[column].extend(values)  # (as TRL: each call extends the column)
+            values = list(values)
         except TypeError as e:
             warn_once(f"warning: rank {RANK}: log_extra({column!r}, ...) not logged: {first_line(e)}")
+            return
+        self.columns[column].extend(values)  # (as TRL: each call extends the column)
+
+    def add_logged(self, metrics: dict, device) -> None:
+        """log_metric's means over all ranks (a collective: every rank calls it) into metrics; ours win a name."""
+        for name, value in self.logged.reduce(device).items():
+            if name in metrics:
+                warn_once(f"warning: log_metric({name!r}, ...) not logged: the run has a metric of that name")
+            else:
+                metrics[name] = value
 
     def kwargs(self) -> dict:
         return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
@@ -558,15 +570,16 @@ def score(r: Rollouts, reward_funcs: dict, weights: list[float], log: RewardLog)
     stats = log.stats
     by_function = {}
     failed = torch.zeros(len(r.texts), dtype=torch.bool)  # [B]
-    for name, fn in reward_funcs.items():
+    for (name, fn), weight in zip(reward_funcs.items(), weights, strict=True):
         values, errors = safe_rewards(fn, kwargs, log.kwargs())
-        problems = [error for error in errors if error]
+        problems = [error for error in errors if error is not None]
         if problems:
             say(
                 f"warning: rank {RANK}: reward {name!r} failed for {len(problems)} of {len(values)} samples (first: "
                 f"{problems[0]}); those samples are left out of their groups"
             )
-        failed |= torch.tensor([error is not None for error in errors], dtype=torch.bool)
+        if weight != 0:  # (a function logged with weight 0 adds nothing to the total)
+            failed |= torch.tensor([error is not None for error in errors], dtype=torch.bool)
         values = torch.tensor(values, dtype=torch.float32)  # [B]
         scored = values[~values.isnan()]  # [scored samples]
         stats.mean(f"{log.prefix}rewards/{name}", scored.sum().item(), scored.numel())
@@ -929,13 +942,14 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
 
 
 def load_training_state(engine, checkpoint: str, ds_config: dict) -> None:
-    """The weights and optimizer state of every rank from a checkpoint. DeepSpeed's load also puts back the learning
-    rate and weight decay that were saved: this run's replace them (e.g. a lower learning rate after a NaN loss)."""
+    """The weights and optimizer state of every rank from a checkpoint. DeepSpeed's load also puts back the optimizer's
+    settings as saved: this run's replace them (e.g. a lower learning rate after a NaN loss)."""
     engine.load_checkpoint(os.path.join(checkpoint, "deepspeed"), tag="state")
     settings = ds_config.get("optimizer", {}).get("params", {})  # (their "auto" values filled from the options)
     for group in engine.optimizer.param_groups:
-        for key in ("lr", "weight_decay"):
-            group[key] = settings.get(key, group[key])
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key in settings:
+                group[key] = tuple(settings[key]) if key == "betas" else settings[key]
 
 
 def sequence_logprobs(
@@ -1062,7 +1076,9 @@ def evaluate(llm, plan: Plan, cfg: Config, tp_group, device, step: int) -> dict:
         outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
         r = collect_rollouts(chunk, ids, outputs, plan.tokenizer)
         score(r, plan.reward_funcs, cfg.reward_weights, reward_log)
-    return stats.reduce(device)
+    metrics = stats.reduce(device)
+    reward_log.add_logged(metrics, device)
+    return metrics
 
 
 @dataclass
@@ -1184,6 +1200,7 @@ def train(cfg: Config, plan: Plan, parts: Setup, run_log: RunLog, device: torch.
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
         if step == plan.first_step:
             metrics.update(parts.memory)
+        reward_log.add_logged(metrics, device)
         run_log.metrics(metrics)
         if cfg.log_completions:
             rows = completion_rows(rollouts, rewards, by_function, advantages, reward_log.columns)

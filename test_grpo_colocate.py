@@ -549,8 +549,13 @@ def _reward_log_worker(rank, world, port, q):
     if rank == 1:  # names only some ranks record: combined over those that did
         log.log_metric("rank1_only", 7.0)
         stats.max("rank1_max", 3.0)
+    log.log_metric("reward", 100.0)  # a name of ours: ours stays
+    log.log_metric("completions/max_length", 1.0)  # (ours, recorded after it, is a max: it must not break the step)
+    stats.max("completions/max_length", 4.0)
     stats.mean("rewards/none_scored", 0.0, 0)  # a mean over no samples on any rank
-    q.put((rank, stats.reduce(torch.device("cpu"))))
+    metrics = stats.reduce(torch.device("cpu"))
+    log.add_logged(metrics, torch.device("cpu"))
+    q.put((rank, metrics))
     dist.destroy_process_group()
 
 
@@ -561,7 +566,7 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path, capsys):
     for step, expected in [(1, 0.0), (5, 1.0)]:
         log = g.RewardLog(step, max_steps=10, stats=g.Stats())
         total, by_function = g.score(r, {"curriculum": curriculum_reward}, [1.0], log)
-        assert total.tolist() == [expected, expected] and local_totals(log.stats)["mean_chars"] == (3.0, 1)
+        assert total.tolist() == [expected, expected] and local_totals(log.logged)["mean_chars"] == (3.0, 1)
     assert log.trainer_state.epoch == 0  # a real TrainerState: TRL rewards may read its other fields
     rows = g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)
     g.append_jsonl(str(tmp_path / "c.jsonl"), rows)
@@ -569,17 +574,7 @@ def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path, capsys):
     for metrics in run_workers(_reward_log_worker, 2).values():
         assert math.isnan(metrics.pop("rewards/none_scored"))  # not 0, which would read as "all wrong"
         expected = {"reward": 1.0, "rewards/curriculum": 1.0, "rewards/failures": 0.0, "mean_chars": 6.5}
-        assert metrics == {**expected, "rank1_only": 7.0, "rank1_max": 3.0}
-    # a reward function's metric may not change the kind of one of ours: it is not logged, with a warning
-    stats = g.Stats()
-    stats.max("completions/max_length", 5)
-    g.RewardLog(0, 10, stats).log_metric("completions/max_length", 1.0)
-    assert local_totals(stats) == {"completions/max_length": (5.0, 0.0)}
-    out = capsys.readouterr().out
-    assert (
-        "log_metric('completions/max_length', ...) not logged: ValueError: metric 'completions/max_length' is a max"
-        in out
-    )
+        assert metrics == {**expected, "rank1_only": 7.0, "rank1_max": 3.0, "completions/max_length": 4.0}
     # a column with one value per call, not per sample (two calls here) is left out, with a warning
     log.log_extra("chars", [1, 2])
     assert "chars" not in g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)[0]
@@ -668,12 +663,10 @@ def test_a_failing_reward_is_left_out_and_counted(capsys):
                 raise ValueError("cannot parse")
             yield 0.5
 
-    stats = g.Stats()
-    values, errors = g.safe_rewards(
-        logging_generator, {"completions": ["a", "boom", "c"]}, g.RewardLog(0, 0, stats).kwargs()
-    )
+    log = g.RewardLog(0, 0, g.Stats())
+    values, errors = g.safe_rewards(logging_generator, {"completions": ["a", "boom", "c"]}, log.kwargs())
     assert values[0] == values[2] == 0.5 and math.isnan(values[1]) and errors[1] and not errors[0]
-    assert local_totals(stats)["calls"] == (1.0, 1)  # the samples scored alone after the failed call log nothing
+    assert local_totals(log.logged)["calls"] == (1.0, 1)  # the samples scored alone after the failed call log nothing
     # a bad log_metric / log_extra call loses what it logs (with a warning), never the rewards: one call, no retries
     calls = []
 
@@ -681,17 +674,16 @@ def test_a_failing_reward_is_left_out_and_counted(capsys):
         calls.append(len(completions))
         log_metric("none", None)
         log_metric("several", torch.tensor([1.0, 2.0]))
-        log_metric("rewards/failures", 1.0)  # ours is a sum, not a mean
         log_extra("column", 3)
+        log_extra("none", None)
         return [1.0] * len(completions)
 
-    stats = g.Stats()
-    stats.sum("rewards/failures", 0)
-    assert g.safe_rewards(bad_logger, {"completions": ["a", "b"]}, g.RewardLog(0, 0, stats).kwargs())[0] == [1.0] * 2
-    assert calls == [2] and set(local_totals(stats)) == {"rewards/failures"}
+    log = g.RewardLog(0, 0, g.Stats())
+    assert g.safe_rewards(bad_logger, {"completions": ["a", "b"]}, log.kwargs())[0] == [1.0] * 2
+    assert calls == [2] and local_totals(log.logged) == {} and log.columns == {}
     out = capsys.readouterr().out
     assert "log_metric('none', ...) not logged: TypeError" in out and "log_extra('column', ...) not logged" in out
-    assert "log_metric('rewards/failures', ...) not logged: ValueError" in out
+    assert "log_metric('several', ...) not logged" in out and out.count("not logged") == 4
     # a sample that a function failed on is left out of its group, even where another function scored it; one that a
     # function merely could not score (None) still counts with the others' rewards
     r = rollouts(["ok", "boom", "<answer>1</answer>", "none"], [{"prompt": "p", "answer": "1"}] * 4)
@@ -709,6 +701,9 @@ def test_a_failing_reward_is_left_out_and_counted(capsys):
     assert totals["rewards/failures"][0] == 1 and math.isnan(total[1]) and math.isnan(total[3]) and total[0] == 1.0
     assert totals["reward"][1] == 2
     assert "reward 'picky' failed for 1 of 4 samples (first: ValueError: cannot parse)" in capsys.readouterr().out
+    # a function with weight 0 (logged, not trained on) that fails leaves the sample in its group
+    total, _ = g.score(r, {"picky": picky, "correctness": g.correctness_reward}, [0.0, 1.0], g.RewardLog(0, 0, stats))
+    assert total.tolist() == [0.0, 0.0, 1.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------- config, validation, plumbing
