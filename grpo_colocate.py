@@ -1457,7 +1457,8 @@ def check_options_and_claim_output_dir(cfg: Config, world: int, job: str) -> Non
     earlier = earlier_run_files(cfg.output_dir)
     if earlier and not continues_run(cfg) and not cfg.overwrite_output_dir:
         advice = "--overwrite_output_dir to replace it, or another folder"
-        if checkpoints(cfg.output_dir) and not cfg.resume:  # (--resume named a checkpoint of another folder)
+        # only with something to resume, and not when --resume already named a checkpoint (of another folder)
+        if checkpoints(cfg.output_dir) and not cfg.resume:
             advice = f"--resume latest to continue it, {advice}"
         raise ConfigError(f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass {advice}")
 
