@@ -19,7 +19,8 @@ Deviations from the paper, and from TRL 1.16's defaults:
   3. per-token importance weights min(exp(logp_trainer - logp_vllm), cap): TRL's `token_truncate`, not its default
      `sequence_mask`;
   4. a prompt's G completions are generated and trained on one rank (TRL spreads them);
-  5. constant learning rate; AdamW beta2 0.99 in ds_zero3.json (TRL: 0.999).
+  5. a sample that no reward function scores (all return None) is left out of its group, advantage 0 (TRL: reward 0);
+  6. constant learning rate; AdamW beta2 0.99 in ds_zero3.json (TRL: 0.999).
 
 Launch (`bash run.sh` installs the environment, builds an offline copy of the default model and does this; add
 --save_steps 50, and after a stop or a crash --resume latest):
@@ -32,8 +33,8 @@ hands a signal sent to it (the way schedulers stop jobs) to the workers.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import fcntl
 import gc
 import glob
 import importlib
@@ -55,6 +56,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import Literal
 from unittest import mock
 
 import torch
@@ -79,6 +81,7 @@ warnings.filterwarnings("ignore", message=r".*(torch\.distributed.*deprecated|de
 warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
 
 RANK = int(os.environ.get("RANK", 0))
+DS_ZERO3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json")  # beside this file
 
 
 # ============================================================================================================ config
@@ -114,10 +117,9 @@ class Config:
     beta: float = HfArg(default=0.0, help="KL coefficient to a frozen reference model (k3); 0 = no reference model")
     epsilon: float = HfArg(default=0.2, help="lower clip range: ratio >= 1 - epsilon")
     epsilon_high: float | None = HfArg(default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
-    loss_type: str = HfArg(default="dapo", help="grpo (sequence means), dr_grpo (sum / B x max length), dapo")
-    scale_rewards: str = HfArg(default="group", help="divide advantages by their group's std (group) or not (none)")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = HfArg(default="dapo", help="the loss's normalisation: grpo_loss")
+    scale_rewards: Literal["group", "none"] = HfArg(default="group", help="divide advantages by their group's std")
     num_iterations: int = HfArg(default=1, help="optimizer passes per generated batch (> 1: clipping acts)")
-    mask_truncated_completions: bool = HfArg(default=False, help="leave completions cut at max length out of the loss")
     reward_funcs: list[str] = HfArg(default_factory=lambda: ["correctness", "format"], help="built-ins or module.fn")
     reward_weights: list[float] | None = HfArg(default=None, help="one per reward function (default 1, format 0.5)")
     # vLLM's kernels sample from a slightly different distribution than the trainer computes: reweight each token
@@ -132,30 +134,21 @@ class Config:
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
 
     # --- DeepSpeed, output, checkpoints
-    deepspeed_config: str = HfArg(
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json"),
-        help='DeepSpeed ZeRO-3 config; its "auto" values come from these options',
-    )
+    deepspeed_config: str = HfArg(default=DS_ZERO3, help='the DeepSpeed config; "auto" values from the options')
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass")
     output_dir: str = HfArg(default="runs/grpo", help="metrics, checkpoints, the final model (shared by all nodes)")
-    overwrite_output_dir: bool = HfArg(default=False, help="delete another run's metrics and checkpoints there first")
-    save_steps: int = HfArg(
-        default=0, help="save a resumable checkpoint every this many steps (0: only at a stop signal)"
-    )
+    save_steps: int = HfArg(default=0, help="save a resumable checkpoint every this many steps (0: only at a signal)")
     save_total_limit: int | None = HfArg(default=None, help="keep the newest N checkpoints (default: all)")
-    resume: str = HfArg(default="", help='"latest" (newest complete checkpoint in output_dir) or a checkpoint folder')
-    report_to: list[str] = HfArg(default_factory=lambda: ["none"], help="none, or any of tensorboard, wandb, trackio")
+    resume: str = HfArg(default="", help='"latest" (the newest checkpoint in output_dir) or a checkpoint folder')
+    report_to: list[str] = HfArg(default_factory=lambda: ["none"], help="none, wandb or trackio")
     run_name: str | None = HfArg(default=None, help="the run's name in the trackers")
-    log_completions: bool = HfArg(default=False, help="every step's samples to output_dir/completions.jsonl")
-    num_completions_to_print: int = HfArg(default=4, help="of them, printed at each eval (with --log_completions)")
+    num_completions_to_print: int = HfArg(default=4, help="training samples printed at each eval step (0 = none)")
 
     def __post_init__(self):
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.reward_weights is None:
             self.reward_weights = [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
-        if self.resume and Path(self.resume).resolve() == Path(self.output_dir).resolve():
-            self.resume = "latest"  # (output_dir itself: its newest checkpoint)
 
     @property
     def completions_per_rank(self) -> int:
@@ -168,17 +161,9 @@ MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory pr
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
 
-class OneLineParser(HfArgumentParser):
-    """argparse, but a bad command line is one line per rank, not a usage block (--help prints the options)."""
-
-    def error(self, message: str):
-        say(f"error: {message} (--help lists the options)")
-        sys.exit(2)
-
-
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Command line -> Config; --help lists every option, a bad one exits with status 2."""
-    parser = OneLineParser(Config, description=__doc__.split("\n")[0])
+    """Command line -> Config; --help lists every option. A bad one is argparse's line (no usage block), status 2."""
+    parser = HfArgumentParser(Config, usage=argparse.SUPPRESS, description=__doc__.split("\n")[0])
     return Config(**vars(parser.parse_args(argv)))
 
 
@@ -236,108 +221,70 @@ class ArithmeticTask:
     def __init__(self, seed: int, num_eval_prompts: int):
         self.seed = seed
         self.eval_rows = [arithmetic_row(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
-        self.held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
-        self.prompts_by_roles = {}  # (every row has the roles of row 0)
+        self.held_out = {json.dumps(row["prompt"]) for row in self.eval_rows}
 
     def __getitem__(self, i: int) -> dict:
         row = arithmetic_row(random.Random(f"{self.seed}:{i}"))
         redraws = 0
-        while prompt_key(row["prompt"]) in self.held_out:
+        while json.dumps(row["prompt"]) in self.held_out:
             redraws += 1
             row = arithmetic_row(random.Random(f"{self.seed}:{i}:{redraws}"))
         return row
 
 
-def prompt_key(prompt: str | list[dict]) -> str:
-    return json.dumps(prompt, sort_keys=True)
-
-
 class DatasetRows:
-    """The rows of a `datasets` Dataset. The first num_eval_prompts are held out (and rows repeating their prompts
-    dropped); training row i walks the rest, in a new seeded order each epoch."""
+    """The rows of a `datasets` Dataset: the first num_eval_prompts are the held-out eval set, and training row i walks
+    the rest, in a new seeded order each epoch."""
 
     def __init__(self, dataset, seed: int, num_eval_prompts: int):
         self.dataset = dataset
         self.seed = seed
-        num_eval = min(num_eval_prompts, len(dataset))
-        self.eval_rows = dataset.select(range(num_eval)).to_list()
-        held_out = {prompt_key(row["prompt"]) for row in self.eval_rows}
-        prompts = list(dataset["prompt"])
-        self.prompts_by_roles = {}  # one prompt per sequence of roles (preflight puts each through the chat template)
-        for i, prompt in enumerate(prompts):
-            if not is_prompt(prompt):
-                raise ConfigError(
-                    f"--dataset_name: row {i}'s prompt {str(prompt)[:80]!r} is neither text nor a list of "
-                    "{'role', 'content': text} messages"
-                )
-            roles = "text" if isinstance(prompt, str) else "/".join(message["role"] for message in prompt)
-            self.prompts_by_roles.setdefault(roles, prompt)
-        self.train_indices = [i for i in range(num_eval, len(dataset)) if prompt_key(prompts[i]) not in held_out]
-        if not self.train_indices:
-            raise ConfigError(f"--dataset_name: no training rows after the {num_eval} eval rows (--num_eval_prompts)")
+        self.num_eval = min(num_eval_prompts, len(dataset))
+        self.num_train = len(dataset) - self.num_eval
+        self.eval_rows = dataset.select(range(self.num_eval)).to_list()
         self.epoch = -1
         self.order = []  # this epoch's permutation of the training rows, drawn once per epoch
 
     def __getitem__(self, i: int) -> dict:
-        epoch, position = divmod(i, len(self.train_indices))
+        epoch, position = divmod(i, self.num_train)
         if epoch != self.epoch:
             self.epoch = epoch
-            size = len(self.train_indices)
-            self.order = random.Random(f"{self.seed}:epoch{epoch}").sample(range(size), size)
-        return self.dataset[self.train_indices[self.order[position]]]
-
-
-def is_prompt(prompt) -> bool:
-    """Non-empty text, or a non-empty list of chat messages, each with a role and content."""
-    if isinstance(prompt, str):
-        return bool(prompt)
-    if not isinstance(prompt, list) or not prompt:
-        return False
-    return all(isinstance(m, dict) and m.get("role") and isinstance(m.get("content"), str) for m in prompt)
+            self.order = random.Random(f"{self.seed}:epoch{epoch}").sample(range(self.num_train), self.num_train)
+        return self.dataset[self.num_eval + self.order[position]]
 
 
 def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
-    """source[i] is training row i; source.eval_rows the held-out eval set."""
+    """The built-in task, or --dataset_name's rows: a `prompt` column (and `answer` for the correctness reward)."""
     if cfg.dataset_name == "arithmetic":
         return ArithmeticTask(cfg.seed, cfg.num_eval_prompts)
-    dataset = load_train_split(cfg)
-    clash = sorted(set(dataset.column_names) & set(REWARD_ARGUMENTS))
-    if clash:
-        raise ConfigError(f"--dataset_name: the column {clash[0]!r} has the name of a reward argument; rename it")
-    if "correctness" in cfg.reward_funcs and "answer" not in dataset.column_names:
-        raise ConfigError(f"--reward_funcs correctness needs an 'answer' column; found {dataset.column_names}")
+    with loading("dataset_name", cfg.dataset_name):
+        dataset = load_train_split(cfg)
+    columns = dataset.column_names
+    if "prompt" not in columns or ("correctness" in cfg.reward_funcs and "answer" not in columns):
+        raise ConfigError(
+            f"--dataset_name {cfg.dataset_name}: needs a 'prompt' column (and 'answer' for the correctness reward); "
+            f"it has {columns}"
+        )
+    if len(dataset) <= cfg.num_eval_prompts:
+        raise ConfigError(f"--dataset_name {cfg.dataset_name}: no rows left after --num_eval_prompts")
     return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
 
 
 def load_train_split(cfg: Config):
-    """--dataset_name's --dataset_train_split: from a folder saved by `datasets` (save_to_disk), a data file (its type
-    from its extension: .jsonl, .json, .parquet, .csv, compressed too), or what load_dataset finds under the name (a
-    hub dataset with --dataset_config, a folder of data files)."""
+    """--dataset_name's --dataset_train_split: a folder written by save_to_disk, a data file (typed by its extension:
+    .jsonl, .json, .parquet, .csv), or what load_dataset finds under the name (a hub dataset, a folder of files)."""
     import datasets
 
     name = cfg.dataset_name
     split = cfg.dataset_train_split
-    saved = os.path.isfile(os.path.join(name, "state.json")) or os.path.isfile(os.path.join(name, "dataset_dict.json"))
-    if os.path.isfile(name) and os.path.getsize(name) == 0:
-        raise ConfigError(f"--dataset_name {name}: the file is empty")
     datasets.disable_progress_bars()
-    try:
-        if saved:
-            dataset = datasets.load_from_disk(name)
-        elif os.path.isfile(name):
-            folder = os.path.dirname(os.path.abspath(name))  # (load_dataset names the dataset after it)
-            dataset = datasets.load_dataset(folder, data_files={split: os.path.basename(name)}, split=split)
-        else:
-            dataset = datasets.load_dataset(name, cfg.dataset_config, split=split)
-    except Exception as e:
-        raise ConfigError(f"--dataset_name {name}: cannot be loaded ({first_line(e)})") from None
-    if isinstance(dataset, datasets.DatasetDict):
-        if split not in dataset:
-            raise ConfigError(f"--dataset_train_split {split}: {name} has the splits {sorted(dataset)}")
-        dataset = dataset[split]
-    if "prompt" not in dataset.column_names:
-        raise ConfigError(f"--dataset_name {name}: no 'prompt' column (it has {dataset.column_names}); map one first")
-    return dataset
+    if os.path.isfile(os.path.join(name, "state.json")) or os.path.isfile(os.path.join(name, "dataset_dict.json")):
+        dataset = datasets.load_from_disk(name)
+        return dataset[split] if isinstance(dataset, datasets.DatasetDict) else dataset
+    if os.path.isfile(name):
+        folder = os.path.dirname(os.path.abspath(name))  # (load_dataset names the dataset after it)
+        return datasets.load_dataset(folder, data_files={split: os.path.basename(name)}, split=split)
+    return datasets.load_dataset(name, cfg.dataset_config, split=split)
 
 
 def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[dict]:
@@ -347,25 +294,15 @@ def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[
 
 
 def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """A prompt through the model's chat template: plain text as one user turn, a list of messages as it is. Ending
-    with an assistant message, the prompt is the start of the reply: the completion continues it (as in TRL)."""
+    """A prompt through the model's chat template: plain text as one user turn, a list of messages as it is."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    continues = messages[-1]["role"] == "assistant"
-    ids = tokenizer.apply_chat_template(
-        messages,
-        add_generation_prompt=not continues,
-        continue_final_message=continues,
-        tokenize=True,
-        return_dict=False,
-    )
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     return list(ids)
 
 
-def encode_prompts(tokenizer, prompts: list, max_len: int) -> tuple[list[list[int]], int]:
-    """Chat-prompt token ids cut from the left to max_len, and how many were cut (counted: vLLM would refuse them)."""
-    full = [chat_prompt_ids(tokenizer, prompt) for prompt in prompts]
-    cut = sum(len(ids) > max_len for ids in full)
-    return [ids[-max_len:] for ids in full], cut
+def encode_prompts(tokenizer, prompts: list, max_len: int) -> list[list[int]]:
+    """Chat-prompt token ids, cut from the left to max_len (vLLM would refuse a longer one)."""
+    return [chat_prompt_ids(tokenizer, prompt)[-max_len:] for prompt in prompts]
 
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -423,8 +360,6 @@ def completion_text(completion: str | list[dict]) -> str:
     return completion if isinstance(completion, str) else completion[0]["content"]
 
 
-# what a reward function gets besides the row's columns (TRL's names)
-REWARD_ARGUMENTS = ["completions", "prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"]
 REWARD_FUNCS = {"correctness": correctness_reward, "format": format_reward, "brevity": brevity_reward}
 DEFAULT_REWARD_WEIGHTS = {"format": 0.5}  # the rest: 1.0
 
@@ -439,157 +374,177 @@ def reward_function(name: str):
         raise ConfigError(f"--reward_funcs {name}: neither one of {sorted(REWARD_FUNCS)} nor module.function")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), function_name)
-    except Exception as e:  # not found, or the module raised while importing
-        raise ConfigError(f"--reward_funcs {name}: cannot be imported ({first_line(e)})") from None
-    if not callable(fn):
-        raise ConfigError(f"--reward_funcs {name}: not a function")
-    return fn
+    with loading("reward_funcs", name):
+        return getattr(importlib.import_module(module_name), function_name)
 
 
-def reward_kwargs(r: Rollouts) -> dict[str, list]:
-    """What TRL passes a reward function per completion, by name: completions (text, or an assistant message for a
-    conversational prompt), prompts, completion_ids, and every other column of the row. A prompt that ends with the
-    start of the reply (an assistant message) hands that start over as part of the completion, as TRL does."""
-    completions = []
-    prompts = []
-    for text, row in zip(r.texts, r.rows, strict=True):
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            completions.append(text)
-            prompts.append(prompt)
-        elif prompt[-1]["role"] == "assistant":  # (the completion continued it)
-            completions.append([{"role": "assistant", "content": prompt[-1]["content"] + text}])
-            prompts.append(prompt[:-1])
-        else:
-            completions.append([{"role": "assistant", "content": text}])
-            prompts.append(prompt)
-    columns = [column for column in (r.rows[0] if r.rows else []) if column != "prompt"]
-    # (prompt_source refuses columns named like the arguments below)
-    kwargs = {column: [row[column] for row in r.rows] for column in columns}
-    kwargs.update(completions=completions, prompts=prompts, completion_ids=r.completions)
-    return kwargs
+def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = "") -> torch.Tensor:
+    """The weighted total reward [B]; each function's mean over the samples it scored, and the total's, into stats.
 
-
-class RewardLog:
-    """The rest of TRL's reward arguments for one step (or one eval): trainer_state (transformers' TrainerState, its
-    global_step and max_steps set); log_metric(name, value), whose mean over every call on every rank goes into the
-    metrics (add_logged, under prefix); log_extra(column, values), one value per sample, a column of completions.jsonl.
-    `stats` is where score records the rewards' own metrics."""
-
-    def __init__(self, step: int, max_steps: int, stats: Stats, prefix: str = ""):
-        from transformers import TrainerState
-
-        self.trainer_state = TrainerState(global_step=step, max_steps=max_steps)
-        self.stats = stats
-        self.logged = Stats()  # log_metric's, apart from ours: a name of ours must not change or break our metric
-        self.prefix = prefix  # "eval/" at evals
-        self.columns = defaultdict(list)
-
-    # A bad call loses its metric or column with a warning, but does not fail the reward function that made it.
-    def log_metric(self, name: str, value: float) -> None:
-        try:
-            self.logged.mean(self.prefix + name, float(value), 1)
-        except (TypeError, ValueError, RuntimeError) as e:  # (not a number)
-            warn_once(f"warning: rank {RANK}: log_metric({name!r}, ...) not logged: {first_line(e)}")
-
-    def log_extra(self, column: str, values: list) -> None:
-        try:
-            values = list(values)
-        except TypeError as e:
-            warn_once(f"warning: rank {RANK}: log_extra({column!r}, ...) not logged: {first_line(e)}")
-            return
-        self.columns[column].extend(values)  # (as TRL: each call extends the column)
-
-    def add_logged(self, metrics: dict, device) -> None:
-        """log_metric's means over all ranks (a collective: every rank calls it) into metrics; ours win a name."""
-        for name, value in self.logged.reduce(device).items():
-            if name in metrics:
-                warn_once(f"warning: log_metric({name!r}, ...) not logged: the run has a metric of that name")
-            else:
-                metrics[name] = value
-
-    def kwargs(self) -> dict:
-        return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
-
-
-def safe_rewards(fn, kwargs: dict[str, list], shared: dict | None = None) -> tuple[list[float], list[str | None]]:
-    """fn's rewards, and per sample what went wrong (None: nothing). A reward is NaN where fn returns None (it cannot
-    score that sample: not an error) and where it raises or returns anything but a finite number (an error: a reward
-    bug must not end the run). If the batch call fails, each sample is scored alone to find the culprits (what it logs
-    then is ignored). kwargs: one entry per sample; shared: passed as it is."""
-    shared = shared or {}
-    n = len(kwargs["completions"])
-    if n == 0:
-        return [], []
-    errors = [None] * n
-    try:
-        values = list(fn(**kwargs, **shared))
-    except Exception:
-        values = []
-    if len(values) != n:
-        values = [None] * n
-        # (what the batch call logged stays; calls for one sample log nothing)
-        quiet = {name: ignore if name in ("log_metric", "log_extra") else value for name, value in shared.items()}
-        for i in range(n):
-            one_sample = {name: column[i : i + 1] for name, column in kwargs.items()}
-            try:
-                values[i] = next(iter(fn(**one_sample, **quiet)))
-            except Exception as e:
-                errors[i] = first_line(e)
-    rewards = [as_reward(value) for value in values]
-    for i, (value, reward) in enumerate(zip(values, rewards, strict=True)):
-        if errors[i] is None and value is not None and math.isnan(reward):
-            errors[i] = f"returned {value!r:.200}"
-    return rewards, errors
-
-
-def ignore(*args, **kwargs) -> None:
-    pass
-
-
-def as_reward(value) -> float:
-    """A reward function's value as a float: anything float() takes (Python, numpy and torch numbers and bools, a
-    one-element array) but text; NaN for None and the rest."""
-    if value is None or isinstance(value, str):
-        return math.nan
-    try:
-        reward = float(value)
-    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several values)
-        return math.nan
-    return reward if math.isfinite(reward) else math.nan
-
-
-def score(r: Rollouts, reward_funcs: dict, weights: list[float], log: RewardLog):
-    """The weighted total reward [B] over the functions that could score each sample, and each function's rewards
-    {name: [B]}; each one's mean over the samples it scored, and its failures, in log.stats. The total is NaN (the
-    sample is left out of its group) where no function could score the sample, and where one failed on it: a total
-    without that function's part would rank the sample below its group for a bug."""
-    kwargs = reward_kwargs(r)
-    stats = log.stats
-    by_function = {}
-    failed = torch.zeros(len(r.texts), dtype=torch.bool)  # [B]
+    Each function is called once, as TRL calls it: completions (text, or an assistant message for a conversational
+    prompt), prompts, completion_ids and every other column of the rows, by name (a column named like one of the
+    three is Python's TypeError). It returns a reward per sample, None where it cannot score one: the others' rewards
+    still count, and a sample that no function scores has a NaN total (group_advantages leaves it out)."""
+    completions = [
+        t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
+        for t, row in zip(r.texts, r.rows, strict=True)
+    ]
+    prompts = [row["prompt"] for row in r.rows]
+    columns = {name: [row[name] for row in r.rows] for name in (r.rows[0] if r.rows else {}) if name != "prompt"}
+    weighted = []
     for (name, fn), weight in zip(reward_funcs.items(), weights, strict=True):
-        values, errors = safe_rewards(fn, kwargs, log.kwargs())
-        problems = [error for error in errors if error is not None]
-        if problems:
-            say(
-                f"warning: rank {RANK}: reward {name!r} failed for {len(problems)} of {len(values)} samples (first: "
-                f"{problems[0]}); those samples are left out of their groups"
+        values = list(fn(completions=completions, prompts=prompts, completion_ids=r.completions, **columns))
+        if len(values) != len(completions):
+            raise ConfigError(
+                f"reward function {name!r} returned {len(values)} rewards for {len(completions)} samples"
             )
-        if weight != 0:  # (a function logged with weight 0 adds nothing to the total)
-            failed |= torch.tensor([error is not None for error in errors], dtype=torch.bool)
-        values = torch.tensor(values, dtype=torch.float32)  # [B]
-        scored = values[~values.isnan()]  # [scored samples]
-        stats.mean(f"{log.prefix}rewards/{name}", scored.sum().item(), scored.numel())
-        stats.sum(f"{log.prefix}rewards/failures", len(problems))
-        by_function[name] = values
-    weighted = torch.stack([w * v for w, v in zip(weights, by_function.values(), strict=True)])  # [functions, B]
-    unscored = weighted.isnan().all(0) | failed  # [B]
+        rewards = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)  # [B]
+        scored = rewards[~rewards.isnan()]
+        stats.mean(f"{prefix}rewards/{name}", scored.sum().item(), scored.numel())
+        weighted.append(weight * rewards)
+    weighted = torch.stack(weighted)  # [functions, B]
+    unscored = weighted.isnan().all(0)  # [B]
     total = weighted.nansum(0).masked_fill(unscored, math.nan)  # [B]
-    stats.mean(f"{log.prefix}reward", total.nansum().item(), (~unscored).sum().item())
-    return total, by_function
+    stats.mean(f"{prefix}reward", total.nansum().item(), (~unscored).sum().item())
+    return total
+
+
+# ---- loading the run's inputs: every rank loads them alike, so a bad one fails on every rank, before any GPU work
+@dataclass
+class Run:
+    """What the loop reads: the data, reward functions, tokenizer and DeepSpeed config, and the resume point."""
+
+    source: ArithmeticTask | DatasetRows  # source[i]: training row i; source.eval_rows: the held-out eval set
+    reward_funcs: dict  # {name in the metrics: function}
+    tokenizer: object
+    ds_config: dict
+    resume_dir: str | None = None
+    first_step: int = 0
+
+
+def load_run(cfg: Config, world: int) -> Run:
+    """The options checked, then what they name loaded: a library's error while loading becomes one line that names
+    the option (`loading`). Deterministic, so every rank fails alike: no rank waits in a collective for another."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    check_options(cfg, world)
+    with loading("model", cfg.model):
+        model_config = AutoConfig.from_pretrained(cfg.model).get_text_config()
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    check_model(cfg, model_config)
+    with loading("deepspeed_config", cfg.deepspeed_config):
+        ds_config = json.loads(Path(cfg.deepspeed_config).read_text())
+    source = prompt_source(cfg)
+    with loading("model", cfg.model):  # a model without a chat template, or one that refuses the data's prompts
+        chat_prompt_ids(tokenizer, source[0]["prompt"])
+    reward_funcs = {name.rpartition(".")[2]: reward_function(name) for name in cfg.reward_funcs}
+    for name in cfg.report_to:
+        if name != "none" and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"--report_to {name}: the {name} package is not installed (pip install {name})")
+    run = Run(source, reward_funcs, tokenizer, ds_config)
+    if cfg.resume:
+        run.resume_dir, run.first_step = find_checkpoint(cfg, world)
+    check_output_dir(cfg, run.resume_dir)
+    return run
+
+
+def check_options(cfg: Config, world: int) -> None:
+    """The rows that stop a run which would otherwise fail minutes later inside vLLM or DeepSpeed, or silently train
+    wrong (argparse has checked the types and choices). The first failed row is the error."""
+    for f in dataclasses.fields(cfg):  # a NaN would only show up later, as a NaN loss
+        values = getattr(cfg, f.name)
+        for value in values if isinstance(values, list) else [values]:
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"--{f.name} {value}: must be a finite number")
+    sizes = ["vllm_tensor_parallel_size", "num_generations", "per_device_train_batch_size", "max_steps"]
+    sizes += ["gradient_accumulation_steps", "max_prompt_length", "max_completion_length", "num_iterations"]
+    counts = ["num_eval_prompts", "eval_steps", "save_steps", "num_completions_to_print"]
+    tp = max(cfg.vllm_tensor_parallel_size, 1)  # (below 1: the sizes row)
+    G = max(cfg.num_generations, 1)
+    per_rank = cfg.completions_per_rank
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    tp_fits = world % tp == 0 and per_node % tp == 0  # TP groups are contiguous ranks of one node
+    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    sleep_ok = not (ON_GPU and cfg.vllm_enable_sleep_mode and "expandable_segments:True" in alloc_conf)
+    cap = cfg.vllm_importance_sampling_clip_max
+    rows = [
+        (min(getattr(cfg, name) for name in sizes) >= 1, f"--{', --'.join(sizes)} must all be >= 1"),
+        (min(getattr(cfg, name) for name in counts) >= 0, f"--{', --'.join(counts)} must all be >= 0"),
+        (tp_fits, f"--vllm_tensor_parallel_size {tp} must divide the {world} ranks and the {per_node} per node"),
+        (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
+        (per_rank % G == 0, f"completions per rank {per_rank} must be a multiple of --num_generations {G}"),
+        (cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0"),
+        (cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0 (the clipping threshold)"),
+        (cfg.beta >= 0 and cfg.weight_decay >= 0, "--beta and --weight_decay must be >= 0"),
+        (cfg.epsilon > 0 and cfg.epsilon_high >= 0, "--epsilon / --epsilon_high: the clip range must be > 0 / >= 0"),
+        (cap >= 1, f"--vllm_importance_sampling_clip_max {cap}: must be >= 1 (e.g. 3)"),
+        (cfg.temperature >= 0.01, f"--temperature {cfg.temperature}: vLLM samples anything below 0.01 as 0.01"),
+        (cfg.save_total_limit is None or cfg.save_total_limit >= 1, "--save_total_limit: at least 1 checkpoint"),
+        (0 < cfg.vllm_gpu_memory_utilization < 1, "--vllm_gpu_memory_utilization must be in (0, 1), e.g. 0.3"),
+        (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
+        (set(cfg.report_to) <= {"none", "wandb", "trackio"}, f"--report_to {cfg.report_to}: none, wandb or trackio"),
+        (sleep_ok, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep mode: unset it"),
+    ]
+    for ok, message in rows:
+        if not ok:
+            raise ConfigError(message)
+
+
+def check_model(cfg: Config, model_config) -> None:
+    """What the model must allow: its heads split over the TP size, prompt + completion within its context, and
+    weights in its folder (a download or a copy cut short has a config.json without them)."""
+    tp = cfg.vllm_tensor_parallel_size
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    heads_split = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+    length = cfg.max_prompt_length + cfg.max_completion_length
+    context = getattr(model_config, "max_position_embeddings", None) or math.inf
+    weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
+    if not heads_split:
+        raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
+    if length > context:
+        raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: over the context, {context}")
+    if os.path.isdir(cfg.model) and not weights:
+        raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
+
+
+def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
+    """The checkpoint --resume names (latest: output_dir's newest) -> (its folder, the step to continue from), checked
+    against this run."""
+    path = cfg.resume
+    if path == "latest":
+        path = (checkpoints(cfg.output_dir) or [None])[-1]
+        if path is None:
+            raise ConfigError(f"--resume latest: no checkpoint in {cfg.output_dir}")
+    with loading("resume", path):
+        state = json.loads(Path(path, "trainer_state.json").read_text())
+    now = {"world_size": world, "seed": cfg.seed, "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size}
+    for key, value in now.items():  # ZeRO-3 state is split per rank; prompts and samples follow seed and TP
+        if state[key] != value:
+            raise ConfigError(
+                f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; an exact resume needs the "
+                "same number of ranks, --seed and --vllm_tensor_parallel_size"
+            )
+    newer = [c for c in checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
+    if newer:  # the new steps would mix with theirs, and a later `--resume latest` would pick the abandoned branch
+        raise ConfigError(
+            f"--resume {path}: output_dir also holds {newer[-1]}, a later checkpoint; to branch off from step "
+            f"{state['step']}, pass another --output_dir"
+        )
+    return path, state["step"]
+
+
+def check_output_dir(cfg: Config, resume_dir: str | None) -> None:
+    """output_dir exists, and holds no other run: one with metrics or checkpoints takes only --resume latest or one of
+    its own checkpoints (several nodes: it must be on a filesystem they share; rank 0 writes there)."""
+    out = cfg.output_dir
+    used = os.path.exists(os.path.join(out, "metrics.jsonl")) or glob.glob(os.path.join(out, "checkpoint-*"))
+    ours = resume_dir is not None and Path(resume_dir).absolute().parent.resolve() == Path(out).resolve()
+    if used and not ours:
+        advice = "--resume latest, or another --output_dir" if checkpoints(out) else "another --output_dir"
+        raise ConfigError(f"--output_dir {out} holds another run: pass {advice}")
+    with loading("output_dir", out):
+        os.makedirs(out, exist_ok=True)
 
 
 # ========================================================================================================= GRPO math
@@ -597,9 +552,9 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
     """rewards [B], completion k of prompt i at i * G + k -> advantages [B] and each group's reward std [B / G].
 
     A completion's advantage is its reward minus its group's mean, divided by the group's std (+ 1e-4) when scale is
-    "group" (the unbiased std, as TRL). A NaN reward (no reward function could score the sample, or one failed on it)
-    takes no part in its group's mean and std, and its advantage is 0: scoring it 0 would push the model away from what
-    a reward merely failed to parse."""
+    "group" (the unbiased std, as TRL). A NaN reward (no reward function could score the sample) takes no part in its
+    group's mean and std, and its advantage is 0: scoring it 0 (as TRL) would push the model away from what the rewards
+    could not judge."""
     grouped = rewards.view(-1, num_generations)  # [B / G, G]
     count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # [B / G, 1] the scored samples of each group
     mean = grouped.nansum(dim=1, keepdim=True) / count  # [B / G, 1]
@@ -888,9 +843,8 @@ def sleep_vllm(llm) -> None:
 
 
 # ======================================================================================================= the trainer
-def fill_ds_config(cfg: Config, world_size: int, bf16: bool) -> dict:
-    """ds_zero3.json with its "auto" values taken from the options."""
-    ds = read_ds_config(cfg.deepspeed_config)
+def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
+    """The DeepSpeed config (ds_zero3.json) with its "auto" values taken from the options."""
     adamw = ds.get("optimizer", {}).get("params", {})
     filled = [
         (ds, "train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
@@ -952,9 +906,7 @@ def load_training_state(engine, checkpoint: str, ds_config: dict) -> None:
                 group[key] = tuple(settings[key]) if key == "betas" else settings[key]
 
 
-def sequence_logprobs(
-    model, prompts: list[list[int]], completions: list[list[int]], temperature: float, device, pad_id
-):
+def sequence_logprobs(model, prompts: list, completions: list, temperature: float, device, pad_id: int):
     """The model's log-probs and entropies of each completion's tokens, as two [B, T_max] tensors (0 past the end)."""
     sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(s) for s in sequences)
@@ -967,15 +919,13 @@ def sequence_logprobs(
     # Position t predicts token t + 1, so positions before the shortest prompt's last token are never scored: the LM
     # head runs on the rest only (logits_to_keep), and the prompts get no [positions, vocabulary] logits.
     first = min(len(p) for p in prompts) - 1
-    logits = model(
-        input_ids=ids, attention_mask=attention_mask, logits_to_keep=width - first
-    ).logits  # [B, L-first, V]
+    output = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=width - first)
+    logits = output.logits  # [B, L - first, V]
     logps, entropies = [], []
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):  # row by row: [B, L, V] in float32 is large
         start = len(p) - 1 - first  # the logits that predict this completion's first token
-        logp, entropy = token_logprobs(
-            logits[i, start : start + len(c)], ids[i, len(p) : len(p) + len(c)], temperature
-        )
+        tokens = ids[i, len(p) : len(p) + len(c)]
+        logp, entropy = token_logprobs(logits[i, start : start + len(c)], tokens, temperature)
         logps.append(logp)
         entropies.append(entropy)
     pad = torch.nn.utils.rnn.pad_sequence
@@ -989,20 +939,23 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
     batch = cfg.per_device_train_batch_size
     micro_batches = [slice(i, i + batch) for i in range(0, len(r.completions), batch)]
     lengths = torch.tensor([len(c) for c in r.completions], device=device)  # [B]
-    # [B]: 0 for a completion left out of the loss (cut at max length, with --mask_truncated_completions)
-    keep = torch.tensor([not (cfg.mask_truncated_completions and t) for t in r.truncated], device=device).float()
     advantages = advantages.to(device)
     pad = torch.nn.utils.rnn.pad_sequence
     # [b, T] per micro-batch: vLLM's log-probs of the sampled tokens, 0 past each completion's end
     vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
-    # DeepSpeed averages gradients over ranks and we sum them over micro-batches (scale_wrt_gas=False), so dapo divides
-    # by the step's tokens of all ranks / world, grpo and dr_grpo by this rank's sequences: the gradient of the whole
-    # global batch's loss.
-    tokens_per_rank = max(global_sum((lengths * keep).sum().item(), device) / dist.get_world_size(), 1.0)
-    # the loss's settings, the same for every micro-batch (its denominators are the whole step's)
-    loss_options = dict(epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type)
-    loss_options.update(max_completion_length=cfg.max_completion_length, num_sequences=len(r.completions))
-    loss_options.update(num_tokens=tokens_per_rank)
+    # The loss's denominators are the whole step's, not a micro-batch's. DeepSpeed averages gradients over ranks and
+    # we sum them over micro-batches (scale_wrt_gas=False), so dapo divides by the step's tokens of all ranks / world,
+    # grpo and dr_grpo by this rank's sequences: the gradient of the whole global batch's loss.
+    tokens_per_rank = max(global_sum(lengths.sum().item(), device) / dist.get_world_size(), 1.0)
+    loss_settings = {
+        "epsilon_low": cfg.epsilon,
+        "epsilon_high": cfg.epsilon_high,
+        "beta": cfg.beta,
+        "loss_type": cfg.loss_type,
+        "max_completion_length": cfg.max_completion_length,
+        "num_sequences": len(r.completions),
+        "num_tokens": tokens_per_rank,
+    }
 
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
         return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id)
@@ -1017,21 +970,19 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
             logp, entropy = logprobs(engine, s)  # with the autograd graph
             old_logp = logp.detach() if old_logps[k] is None else old_logps[k]  # 1 pass: ratio 1, the policy gradient
             positions = torch.arange(logp.shape[1], device=device)  # [T]
-            live = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
-            mask = live * keep[s, None]  # [b, T] the tokens in the loss
+            mask = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
             is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max)  # [b, T]
-            if iteration == 0:  # before the update: the weights vLLM sampled with
-                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, live, entropy)
+            if iteration == 0:  # the first pass is before any update: the weights vLLM sampled with
+                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, mask, entropy)
             if not cfg.vllm_importance_sampling_correction:
                 is_weight = None
             loss, loss_sums = grpo_loss(
-                logp, old_logp, advantages[s], mask, ref_logp=ref_logps[k], is_weight=is_weight, **loss_options
+                logp, old_logp, advantages[s], mask, ref_logp=ref_logps[k], is_weight=is_weight, **loss_settings
             )
             engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
             rank_loss = rank_loss + loss.detach() / cfg.num_iterations
-            tokens_in_loss = mask.sum()
             for name, token_sum in loss_sums.items():  # clip ratios and KL: means over the tokens in the loss
-                stats.mean(name, token_sum, tokens_in_loss)
+                stats.mean(name, token_sum, mask.sum())
             if k == len(micro_batches) - 1:  # before the update, while the weights are still good
                 check_finite(float(rank_loss), "loss", device)
             engine.step()  # DeepSpeed updates at the accumulation boundary only
@@ -1054,31 +1005,28 @@ def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, live, entro
     stats.mean("sampling/is_ratio_mean", (is_weight * live).sum(), tokens)
     # (masked_fill, not is_weight[real]: a boolean index would make the CPU wait for the GPU here)
     stats.max("sampling/is_ratio_max", is_weight.masked_fill(~real, 0.0).max())
-    stats.min("sampling/is_ratio_min", is_weight.masked_fill(~real, math.inf).min())
     stats.mean("entropy", (entropy * live).sum(), tokens)
 
 
 # ================================================================================================= the training loop
-def evaluate(llm, plan: Plan, cfg: Config, tp_group, device, step: int) -> dict:
+def evaluate(llm, run: Run, cfg: Config, tp_group, device) -> dict:
     """The rewards of greedy completions of the held-out eval set (eval/rewards/*), split over the ranks and sent to
     vLLM (awake) in batches of one step's prompts at most, so the KV cache does not grow with the eval set."""
-    source = plan.source
+    eval_rows = run.source.eval_rows
     world = dist.get_world_size()
-    rows = source.eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
+    rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
     batch = cfg.completions_per_rank
-    rounds = math.ceil(math.ceil(len(source.eval_rows) / world) / batch)  # the same on every rank of a TP group
+    rounds = math.ceil(math.ceil(len(eval_rows) / world) / batch)  # the same on every rank of a TP group
     greedy = sampling_params(1, 0.0, cfg.max_completion_length)
     stats = Stats()
-    reward_log = RewardLog(step, cfg.max_steps, stats, prefix="eval/")
     for i in range(rounds):
         chunk = rows[i * batch : (i + 1) * batch]
-        ids, _ = encode_prompts(plan.tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
+        ids = encode_prompts(run.tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
         outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
-        r = collect_rollouts(chunk, ids, outputs, plan.tokenizer)
-        score(r, plan.reward_funcs, cfg.reward_weights, reward_log)
-    metrics = stats.reduce(device)
-    reward_log.add_logged(metrics, device)
-    return metrics
+        r = collect_rollouts(chunk, ids, outputs, run.tokenizer)
+        if r.texts:  # (a rank with no eval rows left scores nothing)
+            score(r, run.reward_funcs, cfg.reward_weights, stats, prefix="eval/")
+    return stats.reduce(device)
 
 
 @dataclass
@@ -1094,7 +1042,7 @@ class Setup:
     memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
 
 
-def setup(cfg: Config, plan: Plan) -> Setup:
+def setup(cfg: Config, run: Run) -> Setup:
     """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (with the state of the checkpoint it
     resumes from) and the optional reference."""
     import deepspeed
@@ -1112,6 +1060,7 @@ def setup(cfg: Config, plan: Plan) -> Setup:
     if not ON_GPU:  # no JIT build (g++, ~50 s) of a shared-memory op that gloo does not use
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")  # joins our process group
+    dist.barrier()  # the first collective sets NCCL up: its memory is not counted as vLLM's below
     free_before = torch.cuda.mem_get_info()[0] if ON_GPU else 0
     llm = build_vllm(cfg, cfg.model, sleep_mode, dtype)
     wake_bytes = 0
@@ -1127,12 +1076,12 @@ def setup(cfg: Config, plan: Plan) -> Setup:
             "memory/sleep_freed_frac": 1 - asleep / awake,
         }
         say(f"vLLM holds {awake / 2**30:.2f} GiB awake (KV cache: one step), {asleep / 2**30:.2f} asleep", rank0=True)
-    ds_config = fill_ds_config(cfg, world, bf16=ON_GPU)
+    ds_config = fill_ds_config(run.ds_config, cfg, world, bf16=ON_GPU)
     engine = build_trainer(cfg, cfg.model, ds_config, dtype)
     ref = build_trainer(cfg, cfg.model, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
-    if plan.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
-        load_training_state(engine, plan.resume_dir, ds_config)
-        say(f"resumed from {plan.resume_dir}: continuing at step {plan.first_step}", rank0=True)
+    if run.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
+        load_training_state(engine, run.resume_dir, ds_config)
+        say(f"resumed from {run.resume_dir}: continuing at step {run.first_step}", rank0=True)
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
     per_rank = cfg.completions_per_rank
     G = cfg.num_generations
@@ -1144,18 +1093,17 @@ def setup(cfg: Config, plan: Plan) -> Setup:
     return Setup(llm, engine, ref, tp_group, sleep_mode, wake_bytes, memory)
 
 
-def train(cfg: Config, plan: Plan, parts: Setup, run_log: RunLog, device: torch.device) -> None:
+def train(cfg: Config, run: Run, parts: Setup, run_log: RunLog, device: torch.device) -> None:
     """max_steps GRPO steps, the final model; a checkpoint every save_steps and when a signal asks the run to stop."""
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
     G = cfg.num_generations
     per_rank = cfg.completions_per_rank
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
-    pad_id = plan.tokenizer.pad_token_id or 0
-    warned_truncation = False
-    for step in range(plan.first_step, cfg.max_steps):
+    pad_id = run.tokenizer.pad_token_id or 0
+    for step in range(run.first_step, cfg.max_steps):
         if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
-            return stop_and_save(parts, plan, cfg, step)
+            return stop_and_save(parts, run, cfg, step)
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
@@ -1163,30 +1111,28 @@ def train(cfg: Config, plan: Plan, parts: Setup, run_log: RunLog, device: torch.
         metrics = {"step": step}
         with timer("eval"):
             if eval_due(cfg, step):
-                metrics.update(evaluate(parts.llm, plan, cfg, parts.tp_group, device, step))
+                metrics.update(evaluate(parts.llm, run, cfg, parts.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
-        examples = prompts_for_step(plan.source, step, per_rank // G, world)
+        examples = prompts_for_step(run.source, step, per_rank // G, world)
         prompts = [example["prompt"] for example in examples]
-        prompt_ids, prompts_cut = encode_prompts(plan.tokenizer, prompts, cfg.max_prompt_length)
-        if prompts_cut and not warned_truncation:
-            say(f"warning: rank {RANK}: {prompts_cut} prompts cut to --max_prompt_length tokens (prompts/truncated)")
-            warned_truncation = True
+        prompt_ids = encode_prompts(run.tokenizer, prompts, cfg.max_prompt_length)
         seed = step_seed(cfg.seed, step, RANK // tp)
         outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
         with timer("generate"):  # (decoding the texts)
-            rollouts = collect_rollouts(examples, prompt_ids, outputs, plan.tokenizer)
+            rollouts = collect_rollouts(examples, prompt_ids, outputs, run.tokenizer)
         if parts.sleep_mode:
             with timer("sleep"):
                 sleep_vllm(parts.llm)  # what generation cached in torch's allocator, the trainer reuses
         # a safe point: the samples are dropped, and the resumed run draws them again, with the same seeds
         if stop_requested(device):
-            return stop_and_save(parts, plan, cfg, step)
+            return stop_and_save(parts, run, cfg, step)
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
-        reward_log = RewardLog(step, cfg.max_steps, stats)
         with timer("reward"):
-            rewards, by_function = score(rollouts, plan.reward_funcs, cfg.reward_weights, reward_log)
+            rewards = score(rollouts, run.reward_funcs, cfg.reward_weights, stats)
             advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards)
+        if eval_due(cfg, step):
+            print_samples(rollouts, rewards, advantages, cfg.num_completions_to_print)
         # ---- 4. the policy update
         try:
             with timer("train"):  # the trainer's forward, backward and optimizer step
@@ -1195,27 +1141,22 @@ def train(cfg: Config, plan: Plan, parts: Setup, run_log: RunLog, device: torch.
             last = (checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
         # ---- 5. the metrics of all ranks
-        add_rollout_stats(stats, rollouts, group_std, prompts, prompts_cut)
+        add_rollout_stats(stats, rollouts, group_std, prompts)
         metrics.update(stats.reduce(device))
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
-        if step == plan.first_step:
+        if step == run.first_step:
             metrics.update(parts.memory)
-        reward_log.add_logged(metrics, device)
-        run_log.metrics(metrics)
-        if cfg.log_completions:
-            rows = completion_rows(rollouts, rewards, by_function, advantages, reward_log.columns)
-            run_log.completions(step, rows, show=eval_due(cfg, step))
+        run_log.log(metrics)
         # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-            save_checkpoint(parts.engine, plan.tokenizer, cfg, step + 1)
+            save_checkpoint(parts.engine, run.tokenizer, cfg, step + 1)
     # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
     if eval_due(cfg, 0) and not stop_requested(device):
         push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode)
-        evaluation = evaluate(parts.llm, plan, cfg, parts.tp_group, device, cfg.max_steps)
-        run_log.metrics({"step": cfg.max_steps, **evaluation})
+        run_log.log({"step": cfg.max_steps, **evaluate(parts.llm, run, cfg, parts.tp_group, device)})
         if parts.sleep_mode:
             sleep_vllm(parts.llm)
-    save_model(parts.engine.module, plan.tokenizer, os.path.join(cfg.output_dir, "final"))
+    save_model(parts.engine.module, run.tokenizer, os.path.join(cfg.output_dir, "final"))
     say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
 
 
@@ -1223,22 +1164,21 @@ def eval_due(cfg: Config, step: int) -> bool:
     return cfg.eval_steps > 0 and cfg.num_eval_prompts > 0 and step % cfg.eval_steps == 0
 
 
-def stop_and_save(parts: Setup, plan: Plan, cfg: Config, step: int) -> None:
+def stop_and_save(parts: Setup, run: Run, cfg: Config, step: int) -> None:
     """A signal asked the run to stop before `step`: save what the steps before it trained, unless saved already."""
-    if step == plan.first_step:
+    if step == run.first_step:
         say(f"stopped by a signal before step {step}: nothing new to save", rank0=True)
         return
     path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     if not (cfg.save_steps > 0 and step % cfg.save_steps == 0):  # (else saved after the last step already)
-        save_checkpoint(parts.engine, plan.tokenizer, cfg, step)
+        save_checkpoint(parts.engine, run.tokenizer, cfg, step)
     say(f"stopped by a signal after step {step - 1}: saved {path}; resume with --resume latest", rank0=True)
 
 
 # ========================================================================================================== plumbing
-# Everything below keeps the loop above honest and the run safe: errors agreed by every rank, preflight checks,
-# checkpoints and resume, stopping on a signal, metrics, timing, and main. The algorithm is all above.
+# What keeps the run safe and tells what it does: errors, checkpoints, signals, metrics and logging, main.
 class ConfigError(ValueError):
-    """Bad input, agreed by all ranks: each prints the one-line message and exits with status 2."""
+    """Bad input (an option, what it names, a reward function's output): one line, exit status 2."""
 
 
 class NonFiniteError(RuntimeError):
@@ -1251,19 +1191,16 @@ def say(line: str, rank0: bool = False) -> None:
         print(line + "\n", end="", flush=True)
 
 
-WARNED = set()  # the warnings this process printed: one that would come every step comes once
-
-
-def warn_once(line: str) -> None:
-    if line not in WARNED:
-        WARNED.add(line)
-        say(line)
-
-
-def first_line(error: Exception, limit: int = 200) -> str:
-    """An exception's type and the first line of its message, cut to `limit` characters, for a one-line error."""
-    message = str(error).strip().split("\n")[0]
-    return f"{type(error).__name__}: {message}"[:limit] if message else type(error).__name__
+@contextmanager
+def loading(option: str, value):
+    """Loading what an option names: the library's own error, as one line that names the option."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        first_line = str(e).strip().split("\n")[0][:300]
+        raise ConfigError(f"--{option} {value}: {type(e).__name__}: {first_line}") from None
 
 
 class PhaseTimer:
@@ -1284,273 +1221,6 @@ class PhaseTimer:
         self.t[name] += time.perf_counter() - t0
 
 
-# ---------------------------------------------------------------------------------------- preflight
-def validate_options(cfg: Config, world: int, on_gpu: bool) -> None:
-    """Every option on its own and against the others, in order: the first failed check is the error."""
-    for f in dataclasses.fields(cfg):  # a NaN would only show up later, as a NaN loss
-        values = getattr(cfg, f.name)
-        for value in values if isinstance(values, list) else [values]:
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"--{f.name} {value}: must be a finite number")
-    read_ds_config(cfg.deepspeed_config)
-    tp = cfg.vllm_tensor_parallel_size
-    tp_option = f"--vllm_tensor_parallel_size {tp}"
-    G = cfg.num_generations
-    per_rank = cfg.completions_per_rank
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    within_nodes = per_node % max(tp, 1) == 0
-    sizes = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length"]
-    sizes += ["max_completion_length", "num_iterations", "max_steps"]
-    counts = [cfg.num_eval_prompts, cfg.eval_steps, cfg.save_steps]
-    expandable = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    cap = cfg.vllm_importance_sampling_clip_max
-    reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]
-    trackers_known = set(cfg.report_to) <= {"none", "tensorboard", "wandb", "trackio"}
-    overwrite = cfg.overwrite_output_dir
-    continues = continues_run(cfg)
-    checks = [
-        (tp >= 1 and world % tp == 0, f"{tp_option} must divide the number of processes ({world})"),
-        (within_nodes, f"{tp_option} must divide the ranks per node ({per_node}): a TP group must not span nodes"),
-        (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
-        (min(getattr(cfg, name) for name in sizes) >= 1, f"--{', --'.join(sizes)} must all be >= 1"),
-        (per_rank % max(G, 1) == 0, f"completions per rank {per_rank} must be a multiple of --num_generations {G}"),
-        (cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0"),
-        (cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0 (the clipping threshold)"),
-        (cfg.weight_decay >= 0, f"--weight_decay {cfg.weight_decay}: must be >= 0"),
-        (cfg.beta >= 0, f"--beta {cfg.beta}: must be >= 0 (0 = no KL term)"),
-        (0 < cfg.vllm_gpu_memory_utilization < 1, "--vllm_gpu_memory_utilization must be in (0, 1), e.g. 0.3"),
-        (cfg.epsilon > 0 and cfg.epsilon_high >= 0, "--epsilon / --epsilon_high: the clip range must be > 0 / >= 0"),
-        (cfg.temperature >= 0.01, f"--temperature {cfg.temperature}: vLLM samples anything below 0.01 as 0.01"),
-        (cap >= 1, f"--vllm_importance_sampling_clip_max {cap}: must be >= 1 (e.g. 3)"),
-        (min(counts) >= 0, "--num_eval_prompts, --eval_steps and --save_steps must be >= 0"),
-        (cfg.save_total_limit is None or cfg.save_total_limit >= 1, "--save_total_limit: at least 1 checkpoint"),
-        (cfg.scale_rewards in ("group", "none"), f"--scale_rewards {cfg.scale_rewards}: expected group or none"),
-        (cfg.loss_type in ("grpo", "dr_grpo", "dapo"), f"--loss_type {cfg.loss_type}: expected grpo, dr_grpo or dapo"),
-        (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
-        ("failures" not in reward_names, "--reward_funcs: a function named failures clashes with rewards/failures"),
-        (trackers_known, f"--report_to {cfg.report_to}: expected none, tensorboard, wandb or trackio"),
-        (cfg.num_completions_to_print >= 0, "--num_completions_to_print must be >= 0"),
-        (not (overwrite and continues), f"--overwrite_output_dir would delete what --resume {cfg.resume} needs"),
-        (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
-        (
-            not (on_gpu and cfg.vllm_enable_sleep_mode and expandable),
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-            "breaks vLLM's sleep mode; unset it or pass --vllm_enable_sleep_mode false",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-
-
-def read_ds_config(path: str) -> dict:
-    """The DeepSpeed config file as a dict, or one line that says what is wrong with it."""
-    try:
-        ds = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"--deepspeed_config {path}: cannot be read ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"--deepspeed_config {path}: not valid JSON ({e})") from None
-    if not isinstance(ds, dict):
-        raise ConfigError(f"--deepspeed_config {path}: expected a JSON object")
-    return ds
-
-
-def validate_model(cfg: Config, model_path: str) -> None:
-    """The model: a causal LM, heads that split over the TP size, a context long enough for prompt + completion."""
-    from transformers import AutoConfig
-
-    try:
-        model_config = AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"--model {model_path}: not a model folder with a config.json, and not a model id that can be loaded here "
-            f"({first_line(e, 160)}); offline, `python offline_model.py` builds SmolLM2-135M-Instruct"
-        ) from None
-    weights = glob.glob(os.path.join(model_path, "*.safetensors")) + glob.glob(os.path.join(model_path, "*.bin"))
-    has_weights = bool(weights) or not os.path.isdir(model_path)  # (not a folder: a hub id)
-    tp = cfg.vllm_tensor_parallel_size
-    architectures = getattr(model_config, "architectures", None) or []
-    causal = any(a.endswith("ForCausalLM") for a in architectures)
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    context = getattr(model_config, "max_position_embeddings", 0)
-    length = cfg.max_prompt_length + cfg.max_completion_length
-    split = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
-    checks = [
-        (has_weights, f"--model {model_path}: a config.json but no weights in the folder"),
-        (causal, f"--model {model_path}: {architectures}: not a causal LM"),
-        (split, f"--vllm_tensor_parallel_size {tp} cannot split the model's {heads} attention / {kv_heads} KV heads"),
-        (
-            not context or length <= context,
-            f"--max_prompt_length + --max_completion_length = {length} exceeds the model's context ({context} tokens)",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-
-
-def agree(check, *args):
-    """check(*args) on every rank, verdicts shared: if any rank fails, for any reason, all raise one ConfigError (no
-    rank is left waiting in a collective). The all_gather is also a barrier."""
-    result = None
-    error = None
-    try:
-        result = check(*args)
-    except ConfigError as e:
-        error = str(e)
-    except Exception as e:  # anything else, e.g. a full disk on one rank: its first line
-        error = first_line(e, 300)
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = [(rank, message) for rank, message in enumerate(errors) if message]
-    if failed:
-        rank, message = failed[0]
-        everywhere = len(failed) == len(errors) and all(m == message for _, m in failed)
-        raise ConfigError(message if everywhere else f"{message} (on rank {rank})")
-    return result
-
-
-@dataclass
-class Plan:
-    """The run's data, reward functions and tokenizer, and the checkpoint it resumes from (if any) and its step."""
-
-    source: ArithmeticTask | DatasetRows
-    reward_funcs: dict  # {name in the metrics: function}
-    tokenizer: object = None
-    resume_dir: str | None = None
-    first_step: int = 0
-
-
-def preflight(cfg: Config, world: int) -> Plan:
-    """Every check that needs no GPU work, each with one verdict for all ranks; the run's data, tokenizer and resume
-    point. Rank 0 alone writes the metrics and the checkpoints' shared files, so every rank must see output_dir as rank
-    0 does (several nodes: a shared filesystem): each must find rank 0's lock file there, naming this job."""
-    job = f"job {os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', os.getpid())}"
-    try:
-        agree(check_options_and_claim_output_dir, cfg, world, job)
-        return agree(check_model_data_and_resume, cfg, world, job)
-    except ConfigError:
-        for lock_file in OUTPUT_DIR_LOCK:  # a refused run holds no lock (the process may go on, as in the tests)
-            lock_file.close()
-        OUTPUT_DIR_LOCK.clear()
-        raise
-
-
-def check_options_and_claim_output_dir(cfg: Config, world: int, job: str) -> None:
-    """The options; then on rank 0: the trackers' packages, output_dir writable, locked for this job, and free of
-    another run's files."""
-    validate_options(cfg, world, ON_GPU)
-    if RANK != 0:
-        return
-    for name in set(cfg.report_to) - {"none"}:  # (rank 0 alone logs to them)
-        if importlib.util.find_spec(name) is None:
-            raise ConfigError(f"--report_to {name}: the {name} package is not installed here (pip install {name})")
-    try:
-        os.makedirs(cfg.output_dir, exist_ok=True)
-        lock_output_dir(cfg.output_dir, job)
-    except OSError as e:
-        raise ConfigError(
-            f"--output_dir {cfg.output_dir}: not writable ({e.strerror}); pick a folder you can write to"
-        ) from None
-    earlier = earlier_run_files(cfg.output_dir)
-    if earlier and not continues_run(cfg) and not cfg.overwrite_output_dir:
-        advice = "--overwrite_output_dir to replace it, or another folder"
-        # only with something to resume, and not when --resume already named a checkpoint (of another folder)
-        if checkpoints(cfg.output_dir) and not cfg.resume:
-            advice = f"--resume latest to continue it, {advice}"
-        raise ConfigError(f"--output_dir {cfg.output_dir} holds another run ({earlier[0]}): pass {advice}")
-
-
-def continues_run(cfg: Config) -> bool:
-    """--resume continues the run in output_dir (latest, or one of its checkpoints), not one saved elsewhere."""
-    if cfg.resume == "latest":
-        return True
-    return bool(cfg.resume) and Path(cfg.resume).absolute().parent.resolve() == Path(cfg.output_dir).resolve()
-
-
-def clear_output_dir(cfg: Config) -> None:
-    """--overwrite_output_dir: rank 0 deletes the earlier run's files (main calls this once the set-up has worked)."""
-    if RANK != 0 or not cfg.overwrite_output_dir:
-        return
-    for path in earlier_run_files(cfg.output_dir):
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)  # (a file, or a link: what it points to stays)
-
-
-OUTPUT_DIR_LOCK = []  # rank 0's open lock file: held while the process lives, released by the kernel when it ends
-
-
-def lock_output_dir(output_dir: str, job: str) -> None:
-    """One run per output_dir at a time: an exclusive flock on output_dir/.lock (a crashed run cannot keep it), in
-    which the holder writes who it is."""
-    lock_file = open(os.path.join(output_dir, ".lock"), "a+")  # noqa: SIM115 (open for the rest of the run)
-    try:
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock_file.seek(0)
-        holder = lock_file.read().strip() or "another process"
-        lock_file.close()
-        raise ConfigError(
-            f"--output_dir {output_dir}: in use by a running job ({holder}); wait or pick another folder"
-        ) from None
-    lock_file.truncate(0)
-    lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}, {job}")
-    lock_file.flush()
-    OUTPUT_DIR_LOCK[:] = [lock_file]
-
-
-def earlier_run_files(output_dir: str) -> list[str]:
-    """What a run leaves in output_dir: logs, TensorBoard and wandb files, checkpoints (cut short too), final model."""
-    names = ["metrics.jsonl", "completions.jsonl", "tensorboard", "wandb", "final"]
-    names += [d for d in sorted(os.listdir(output_dir)) if d.startswith("checkpoint-")]
-    return [os.path.join(output_dir, n) for n in names if os.path.exists(os.path.join(output_dir, n))]
-
-
-def check_model_data_and_resume(cfg: Config, world: int, job: str) -> Plan:
-    """The model, output_dir as rank 0 sees it, the data, and the checkpoint to resume from."""
-    validate_model(cfg, cfg.model)
-    lock_path = Path(cfg.output_dir, ".lock")
-    holder = lock_path.read_text() if lock_path.is_file() else ""
-    if not holder.endswith(job):
-        raise ConfigError(
-            f"--output_dir {cfg.output_dir}: this rank does not see what rank 0 wrote there; with several nodes, "
-            "output_dir must be on a filesystem they all share (rank 0 writes the checkpoints)"
-        )
-    reward_funcs = {name.rpartition(".")[2]: reward_function(name) for name in cfg.reward_funcs}
-    plan = Plan(prompt_source(cfg), reward_funcs, load_tokenizer(cfg.model))
-    check_prompts(plan.source, plan.tokenizer)
-    if cfg.resume:
-        plan.resume_dir, plan.first_step = find_checkpoint(cfg, world)
-    return plan
-
-
-def load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--model {model_path}: its tokenizer cannot be loaded ({first_line(e, 160)})") from None
-
-
-def check_prompts(source, tokenizer) -> None:
-    """The eval rows, the first training row and a prompt of each sequence of roles through the chat template: a model
-    without one, or a template that refuses a prompt (e.g. a role it does not take, or roles out of order), is one line
-    now rather than a traceback mid-run."""
-    prompts = [row["prompt"] for row in [*source.eval_rows, source[0]]] + list(source.prompts_by_roles.values())
-    for prompt in prompts:
-        try:
-            chat_prompt_ids(tokenizer, prompt)
-        except Exception as e:
-            shown = str(prompt)[:60]
-            message = f"the prompt {shown!r} does not go through the model's chat template ({first_line(e, 160)})"
-            raise ConfigError(f"--dataset_name: {message}") from None
-
-
 # -------------------------------------------------------------------------------------- checkpoints
 def save_model(model, tokenizer, out_dir: str) -> None:
     """An HF folder that transformers and vLLM load (weights gathered in buckets); all ranks call it, rank 0 writes."""
@@ -1566,7 +1236,7 @@ def save_model(model, tokenizer, out_dir: str) -> None:
 
 def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> None:
     """checkpoint-{step}: the HF folder, every rank's ZeRO-3 state and trainer_state.json (what an exact resume needs),
-    written as checkpoint-{step}.tmp and renamed once complete."""
+    written as checkpoint-{step}.tmp and renamed once complete: a checkpoint-N folder is a complete one."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     save_model(engine.module, tokenizer, tmp)
@@ -1578,22 +1248,17 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> None:
         Path(tmp, "trainer_state.json").write_text(json.dumps(state))
         shutil.rmtree(final, ignore_errors=True)  # the same step saved again after a resume
         os.replace(tmp, final)
-        remove_stale_saves(cfg.output_dir, step)
-        remove_old_checkpoints(cfg.output_dir, cfg.save_total_limit, step)
+        prune_checkpoints(cfg.output_dir, step, cfg.save_total_limit)
     dist.barrier()
 
 
-def remove_stale_saves(output_dir: str, step: int) -> None:
-    """The checkpoint-N.tmp folders of saves that were cut short (a crash, a kill), once a newer save is complete."""
+def prune_checkpoints(output_dir: str, step: int, limit: int | None) -> None:
+    """Once checkpoint-{step} is complete: the saves cut short before it (a crash, a kill), and all but the newest
+    `limit` checkpoints up to it (--save_total_limit)."""
     for name in os.listdir(output_dir):
         cut_short = re.fullmatch(r"checkpoint-(\d+)\.tmp", name)
         if cut_short and int(cut_short.group(1)) <= step:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-
-
-def remove_old_checkpoints(output_dir: str, limit: int | None, step: int) -> None:
-    """All but the newest `limit` complete checkpoints up to checkpoint-{step} (--save_total_limit), once that one is
-    complete: never the one being written, and the one a run resumed from only when a newer one is there."""
     if limit:
         saved = [path for path in checkpoints(output_dir) if checkpoint_step(path) <= step]
         for path in saved[:-limit]:
@@ -1612,49 +1277,6 @@ def checkpoint_step(path: str) -> int:
     return int(path.rpartition("-")[2])
 
 
-def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
-    """The checkpoint --resume names -> (its folder, the step to continue from), checked against this run."""
-    path = cfg.resume
-    if cfg.resume == "latest":
-        path = (checkpoints(cfg.output_dir) or [None])[-1]
-    if path is None or not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        where = f"in {cfg.output_dir}" if path is None else f"at {path}"
-        raise ConfigError(f"--resume {cfg.resume}: no complete checkpoint (checkpoint-N/trainer_state.json) {where}")
-    state = json.loads(Path(path, "trainer_state.json").read_text())
-    now = {"world_size": world, "seed": cfg.seed, "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size}
-    for key, value in now.items():
-        if state.get(key, value) != value:  # ZeRO-3 state is split per rank; prompts and samples follow seed and TP
-            raise ConfigError(
-                f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; an exact resume needs the "
-                "same number of ranks, --seed and --vllm_tensor_parallel_size"
-            )
-    missing = missing_checkpoint_files(path, world)
-    if missing:
-        complete = [c for c in checkpoints(cfg.output_dir) if c != path and not missing_checkpoint_files(c, world)]
-        older = f"; {complete[-1]} is complete" if complete else "; no other checkpoint there is complete"
-        raise ConfigError(
-            f"--resume {path}: incomplete checkpoint, {len(missing)} files missing ({missing[0]}){older}"
-        )
-    newer = [c for c in checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
-    newer = [c for c in newer if not missing_checkpoint_files(c, world)]
-    if newer and continues_run(cfg):  # (the new steps would be mixed with theirs, and `latest` would pick them)
-        raise ConfigError(
-            f"--resume {path}: output_dir also holds {newer[-1]}, a later checkpoint of the same run; to branch off "
-            f"from step {state['step']}, pass another --output_dir (or move the later checkpoints out of this one: "
-            "its logs then restart there)"
-        )
-    return path, state["step"]
-
-
-def missing_checkpoint_files(path: str, world: int) -> list[str]:
-    """What an exact resume needs from a checkpoint and it lacks: the weights and every rank's ZeRO-3 files."""
-    needed = ["trainer_state.json", "*.safetensors"]
-    for rank in range(world):  # (DeepSpeed writes bf16_zero_pp_rank_... in bf16)
-        needed.append(f"deepspeed/state/*zero_pp_rank_{rank}_mp_rank_*_optim_states.pt")
-        needed.append(f"deepspeed/state/zero_pp_rank_{rank}_mp_rank_*_model_states.pt")
-    return [pattern for pattern in needed if not glob.glob(os.path.join(path, pattern))]
-
-
 # ------------------------------------------------------------------------------------------ signals
 STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop's safe points
 
@@ -1662,8 +1284,7 @@ STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop
 def request_stop(signum, frame):
     """SIGINT / SIGTERM: the run stops at its next safe point and saves what it trained (see train); a second SIGINT
     (Ctrl-C twice) ends the process at once. A second SIGTERM changes nothing: schedulers may send one to every
-    process of the job and one to its launcher, which hands it on. Silent: when torchrun stops the others because a
-    rank died, "lost contact" is the line that matters."""
+    process of the job and one to its launcher, which hands it on."""
     global STOP_REQUESTED
     STOP_REQUESTED = True
     if signum == signal.SIGINT:
@@ -1680,60 +1301,40 @@ class Stats:
     """One step's metrics, recorded on each rank by name; reduce() combines those of all ranks in one collective:
         mean(name, total, count)  the sum of every total / the sum of every count (e.g. per token, over all ranks)
         sum(name, value)          the sum of every value
-        max(name, value) / min    the largest / smallest value
-    Values may be GPU tensors: nothing waits for the GPU until reduce(). A name that some ranks never record (e.g. a
-    reward function's log_metric) is combined over the ranks that did."""
+        max(name, value)          the largest value
+    Values may be GPU tensors: nothing waits for the GPU until reduce()."""
 
     def __init__(self):
-        self.kinds = {}  # name -> "mean", "sum", "max" or "min"
-        self.values = defaultdict(list)
-        self.counts = defaultdict(float)  # (of the means)
-
-    def add(self, kind: str, name: str, value, count=0.0) -> None:
-        if self.kinds.setdefault(name, kind) != kind:  # (e.g. a reward function's log_metric of one of our maxima)
-            raise ValueError(f"metric {name!r} is a {self.kinds[name]}, recorded now as a {kind}")
-        self.values[name].append(value)
-        self.counts[name] += count
+        self.records = []  # (name, kind, value, count)
 
     def mean(self, name: str, total, count) -> None:
-        self.add("mean", name, total, count)
+        self.records.append((name, "mean", total, count))
 
     def sum(self, name: str, value) -> None:
-        self.add("sum", name, value)
+        self.records.append((name, "sum", value, 0))
 
     def max(self, name: str, value) -> None:
-        self.add("max", name, value)
-
-    def min(self, name: str, value) -> None:
-        self.add("min", name, value)
-
-    def combined(self, device) -> dict[str, tuple[str, float, float]]:
-        """{name: (kind, value, count)}: this rank's records of each name combined, in one copy from the GPU."""
-        names = sorted(self.kinds)
-        if not names:
-            return {}
-        combine = {"mean": torch.sum, "sum": torch.sum, "max": torch.max, "min": torch.min}
-        values = []  # per name: its records combined, a 0-d float64 tensor on `device`
-        for name in names:
-            records = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in self.values[name]])
-            values.append(combine[self.kinds[name]](records))
-        counts = [torch.as_tensor(self.counts[name], dtype=torch.float64, device=device) for name in names]  # (means)
-        value_row, count_row = torch.stack([torch.stack(values), torch.stack(counts)]).tolist()  # [2, names]
-        return {name: (self.kinds[name], value_row[i], count_row[i]) for i, name in enumerate(names)}
+        self.records.append((name, "max", value, 0))
 
     def reduce(self, device) -> dict[str, float]:
-        """{name: value} over all ranks."""
+        """{name: value} over all ranks: one copy from the GPU, one all_gather_object, one combine."""
+        numbers = [torch.as_tensor(x, dtype=torch.float64, device=device) for *_, v, c in self.records for x in (v, c)]
+        numbers = torch.stack(numbers).tolist() if numbers else []  # [value, count, value, count, ...]
+        mine = [(name, kind, numbers[2 * i], numbers[2 * i + 1]) for i, (name, kind, *_) in enumerate(self.records)]
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self.combined(device))
-        merged = Stats()  # every rank's combined records, combined again (as Python numbers, on the CPU)
-        for rank_records in everyone:
-            for name, (kind, value, count) in rank_records.items():
-                merged.add(kind, name, value, count)
+        dist.all_gather_object(everyone, mine)
+        combined = {}  # name -> [kind, value, count]
+        for name, kind, value, count in (record for records in everyone for record in records):
+            if name not in combined:
+                combined[name] = [kind, value, count]
+            elif kind == "max":
+                combined[name][1] = max(combined[name][1], value)
+            else:
+                combined[name][1] += value
+                combined[name][2] += count
         out = {}
-        for name, (kind, value, count) in merged.combined("cpu").items():
-            out[name] = value
-            if kind == "mean":
-                out[name] = value / count if count else math.nan  # (the mean of nothing, e.g. no sample scored)
+        for name, (kind, value, count) in combined.items():  # a mean of nothing (e.g. no sample scored) is NaN
+            out[name] = (value / count if count else math.nan) if kind == "mean" else value
         return out
 
 
@@ -1751,18 +1352,16 @@ def check_finite(value: float, what: str, device) -> None:
         raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s); stopped before the update")
 
 
-def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, prompts_truncated: int) -> None:
+def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list) -> None:
     """The step's completion lengths, group spread and data position (a hash of its prompts) into stats."""
     lengths = [len(c) for c in r.completions]
     stats.mean("completions/mean_length", sum(lengths), len(lengths))
     stats.max("completions/max_length", max(lengths))
-    stats.min("completions/min_length", min(lengths))
     stats.mean("completions/clipped_ratio", sum(r.truncated), len(lengths))
     stats.sum("completions/total_tokens", sum(lengths))
     stats.mean("reward_std", group_std.sum().item(), len(group_std))
     stats.mean("frac_reward_zero_std", (group_std < 1e-6).sum().item(), len(group_std))
-    stats.sum("prompts/truncated", prompts_truncated)
-    stats.sum("prompts/hash", zlib.crc32(prompt_key(prompts).encode()))
+    stats.sum("prompts/hash", zlib.crc32(json.dumps(prompts, sort_keys=True).encode()))
 
 
 def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> dict:
@@ -1775,6 +1374,17 @@ def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> d
     out["tokens_per_sec"] = tokens / step_seconds
     out["generate_tokens_per_sec"] = tokens / (t["generate"] + t["exchange"])
     return out
+
+
+def print_samples(r: Rollouts, rewards, advantages, n: int) -> None:
+    """The first n samples of this step on rank 0 (one group's, for G >= n): the question, reward, advantage, reply."""
+    if RANK != 0:
+        return
+    for i in range(min(n, len(r.texts))):
+        prompt = r.rows[i]["prompt"]
+        question = " ".join((prompt if isinstance(prompt, str) else prompt[-1]["content"]).split())
+        reply = " ".join(r.texts[i].split())
+        say(f"  reward {rewards[i]:.2f} | advantage {advantages[i]:+.2f} | {question[-150:]} -> {reply[:300]}")
 
 
 # (metric, format) of the line printed per step
@@ -1797,51 +1407,38 @@ LOG_LINE = [
 
 
 class RunLog:
-    """Rank 0's record of the run: a line per step on stdout, metrics.jsonl, completions.jsonl (--log_completions) and
-    the trackers of --report_to, all with the same metric names. A resumed run keeps the lines of the steps before its
-    first step, and starts a new run in each tracker."""
+    """Rank 0's record of the run: a line per step on stdout, output_dir/metrics.jsonl, and a run in each tracker of
+    --report_to (wandb, or trackio, which copies its API), with the same metric names. A resumed run keeps the lines
+    of the steps before its first step."""
 
     def __init__(self, cfg: Config, first_step: int):
-        self.metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-        self.completions_path = os.path.join(cfg.output_dir, "completions.jsonl")
-        self.num_completions_to_print = cfg.num_completions_to_print
-        self.trackers = []  # (name in --report_to, its run)
-        if RANK == 0:
-            keep_steps_before(self.metrics_path, first_step)
-            keep_steps_before(self.completions_path, first_step)  # (also if this run does not log completions)
-            for name in cfg.report_to:
-                if name == "none":
-                    continue
-                try:
-                    self.trackers.append((name, open_tracker(name, cfg, first_step)))
-                except Exception:  # the runs already started end (an exit after a refused start skips atexit)
-                    self.close(failed=True)
-                    raise
-
-    def metrics(self, m: dict) -> None:
+        self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        self.trackers = []  # (name, its run)
         if RANK != 0:
             return
-        append_jsonl(self.metrics_path, [m])
-        fields = [f"step {m['step']:>4}"] + [fmt.format(m[key]) for key, fmt in LOG_LINE if key in m]
+        if os.path.exists(self.path):  # (a line a crash cut short has no newline)
+            lines = Path(self.path).read_text().splitlines(keepends=True)
+            kept = [line for line in lines if line.endswith("\n") and json.loads(line)["step"] < first_step]
+            Path(self.path).write_text("".join(kept))
+        for name in [name for name in cfg.report_to if name != "none"]:
+            project = os.environ.get(f"{name.upper()}_PROJECT", "grpo-colocate")
+            where = {"dir": cfg.output_dir} if name == "wandb" else {}  # (trackio: TRACKIO_DIR)
+            tracker = importlib.import_module(name)
+            self.trackers.append((name, tracker.init(project=project, name=cfg.run_name, config=vars(cfg), **where)))
+
+    def log(self, metrics: dict) -> None:
+        if RANK != 0:
+            return
+        finite = {name: None if isinstance(v, float) and not math.isfinite(v) else v for name, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(finite) + "\n")  # (strict JSON: NaN, e.g. a mean over nothing, as null)
+        fields = [f"step {metrics['step']:>4}"] + [fmt.format(metrics[key]) for key, fmt in LOG_LINE if key in metrics]
         print(" | ".join(fields), flush=True)
         for _, run in self.trackers:
-            run.log({name: value for name, value in m.items() if name != "step"}, step=m["step"])
-
-    def completions(self, step: int, rows: list[dict], show: bool) -> None:
-        """Every rank's rows of one step into completions.jsonl (all ranks call this); printed too if `show`."""
-        everyone = [None] * dist.get_world_size() if RANK == 0 else None
-        dist.gather_object(rows, everyone, dst=0)
-        if RANK != 0:
-            return
-        rows = [{"step": step, **row} for rank_rows in everyone for row in rank_rows]
-        append_jsonl(self.completions_path, rows)
-        for row in rows[: self.num_completions_to_print if show else 0]:
-            prompt = " ".join(str(row["prompt"]).split())[-150:]  # (on one line, the end of a long one)
-            completion = " ".join(row["completion"].split())[:300]
-            say(f"  reward {row['reward']:.2f} | advantage {row['advantage']:+.2f} | {prompt} -> {completion}")
+            run.log({name: value for name, value in metrics.items() if name != "step"}, step=metrics["step"])
 
     def close(self, failed: bool = False) -> None:
-        """Each tracker's run ends; wandb marks a run that ended in an error as failed, not finished."""
+        """Each tracker's run ends; wandb marks a run that ended in an error as failed."""
         for name, run in self.trackers:
             if failed and name == "wandb":
                 run.finish(exit_code=1)
@@ -1849,112 +1446,11 @@ class RunLog:
                 run.finish()
 
 
-def completion_rows(r: Rollouts, rewards, by_function: dict, advantages, extra_columns: dict) -> list[dict]:
-    """This rank's samples of a step as rows for completions.jsonl: the prompt's last message and the completion, as
-    the reward functions saw them (a reply's start given in the prompt is the completion's), its rewards (NaN where
-    unscored: null in the file) and advantage, and the columns reward functions logged."""
-    ours = ["step", "prompt", "completion", "reward", "advantage"] + [f"rewards/{name}" for name in by_function]
-    extra = {}
-    for column, values in extra_columns.items():
-        if column in ours:
-            warn_once(f"warning: rank {RANK}: log_extra({column!r}) not logged: completions.jsonl has such a column")
-        elif len(values) != len(r.rows):
-            warn_once(
-                f"warning: rank {RANK}: log_extra({column!r}) not logged: {len(values)} values, {len(r.rows)} samples"
-            )
-        else:
-            extra[column] = values
-    seen = reward_kwargs(r)
-    rows = []
-    for i, (prompt, completion) in enumerate(zip(seen["prompts"], seen["completions"], strict=True)):
-        if not isinstance(prompt, str):
-            prompt = prompt[-1]["content"] if prompt else ""
-        record = {"prompt": prompt, "completion": completion_text(completion)}
-        record.update(reward=rewards[i].item(), advantage=advantages[i].item())
-        for name, values in by_function.items():
-            record[f"rewards/{name}"] = values[i].item()
-        for column, values in extra.items():
-            record[column] = values[i]
-        rows.append(record)
-    return rows
-
-
-class TensorBoardRun:
-    """TensorBoard event files in output_dir/tensorboard, behind the two calls of a wandb run. A resumed run first
-    hides what an earlier one logged from its first step on (purge_step)."""
-
-    def __init__(self, log_dir: str, first_step: int):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir, purge_step=first_step or None)
-
-    def log(self, metrics: dict, step: int) -> None:
-        for name, value in metrics.items():
-            self.writer.add_scalar(name, value, step)
-        self.writer.flush()
-
-    def finish(self) -> None:
-        self.writer.close()
-
-
-def open_tracker(name: str, cfg: Config, first_step: int):
-    """A new run in one tracker of --report_to, with log(metrics, step=) and finish(). wandb and trackio take their
-    project from WANDB_PROJECT / TRACKIO_PROJECT (default grpo-colocate); WANDB_MODE=offline keeps wandb local."""
-    if name == "tensorboard":
-        return TensorBoardRun(os.path.join(cfg.output_dir, "tensorboard"), first_step)
-    tracker = importlib.import_module(name)  # wandb or trackio: trackio copies wandb's API
-    project = os.environ.get(f"{name.upper()}_PROJECT", "grpo-colocate")
-    where = {"dir": cfg.output_dir} if name == "wandb" else {}  # (trackio: TRACKIO_DIR)
-    return tracker.init(project=project, name=cfg.run_name, config=dataclasses.asdict(cfg), **where)
-
-
-def keep_steps_before(path: str, first_step: int) -> None:
-    """Keep a resumed run's lines of the steps before first_step in a .jsonl log. (A new run finds none: preflight
-    removed another run's, and the first record creates the file.)"""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] < first_step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):  # cut short by a crash mid-write
-            say(f"warning: {path}: dropped a line that is not a complete record: {line[:80]!r}")
-    with open(path, "w") as f:
-        f.writelines(kept)
-
-
-def append_jsonl(path: str, records: list[dict]) -> None:
-    """Records as JSON lines, in strict JSON: JSON has no NaN (e.g. the mean over no samples)."""
-    lines = [json.dumps(json_safe(record)) + "\n" for record in records]
-    with open(path, "a") as f:
-        f.writelines(lines)
-
-
-def json_safe(value):
-    """value as JSON can hold it, at any depth: numpy and torch numbers and arrays (e.g. what a reward function logged)
-    as numbers and lists, NaN and inf as None, any other object as its text."""
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(key): json_safe(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value if value is None or isinstance(value, (str, int)) else str(value)
-
-
 # --------------------------------------------------------------------------------------------- main
-LOST_RANK_RE = re.compile(r"gloo|NCCL|Connection (closed|reset)|Broken pipe|timed out|Timeout")
-
-
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_config(argv)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # from here on a stop request waits for the next safe point
+    for sig in (signal.SIGINT, signal.SIGTERM):  # first: a stop from torchrun then waits for this rank's error line
         signal.signal(sig, request_stop)
+    cfg = parse_config(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cpu")
     if ON_GPU:
@@ -1965,32 +1461,21 @@ def main(argv: list[str] | None = None) -> None:
         # several groups that mostly never communicate: 2.3 GiB per GPU that sleep cannot give back.
         dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)
     try:
-        plan = preflight(cfg, dist.get_world_size())
+        run = load_run(cfg, dist.get_world_size())
         torch.manual_seed(cfg.seed)
-        parts = setup(cfg, plan)
-        agree(clear_output_dir, cfg)  # --overwrite_output_dir: the earlier run goes only now that set-up has worked
-        # on rank 0 the trackers start a run now that set-up worked; a failure there stops every rank with one line
-        run_log = agree(RunLog, cfg, plan.first_step)
+        parts = setup(cfg, run)
+        run_log = RunLog(cfg, run.first_step)  # (rank 0's trackers start a run once set-up has worked)
         try:
-            train(cfg, plan, parts, run_log, device)
+            train(cfg, run, parts, run_log, device)
         except BaseException:
-            run_log.close(failed=True)  # wandb marks the run failed; the error goes on to the handlers below
+            run_log.close(failed=True)  # wandb marks the run failed; the error goes on
             raise
         run_log.close()
         dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
-    except (ConfigError, NonFiniteError) as e:  # agreed by every rank: one line each, no traceback
+    except (ConfigError, NonFiniteError) as e:  # the same on every rank: one line each, no traceback
         say(f"error: {e}")
-        dist.barrier()  # every rank reports before torchrun, seeing the first exit, stops the others
         # os._exit, not sys.exit: a teardown beside live gloo/NCCL threads can abort
         os._exit(2 if isinstance(e, ConfigError) else 3)
-    except (dist.DistError, RuntimeError) as e:
-        if not isinstance(e, dist.DistError) and not LOST_RANK_RE.search(str(e)):
-            raise  # a bug, not a lost rank: keep the traceback
-        say(
-            f"error: rank {RANK}: lost contact with another rank, which stopped or died (its own message, if any, is "
-            f"above): {first_line(e, 200)}"
-        )
-        os._exit(4)  # (say() flushed the line; nothing is left to save)
 
 
 if __name__ == "__main__":

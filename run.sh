@@ -74,9 +74,27 @@ stop_workers() {
 }
 trap 'stop_workers TERM' TERM HUP
 trap 'stop_workers INT' INT
-setsid torchrun --nproc_per_node "$NPROC" grpo_colocate.py "${ARGS[@]}" "$@" &
+# torchrun is run through its own main, here, for one change: when a worker fails, each rank has printed its error
+# above, and torchrun's ChildFailedError traceback would follow (30 lines): instead one line names the first failed
+# rank, and its exit status is this script's (killed by a signal: 128 + the signal's number)
+TORCHRUN_MAIN='
+import sys
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+sys.argv[0] = "torchrun"
+try:
+    main()
+except ChildFailedError as e:
+    rank, failure = e.get_first_failure()
+    code, why = failure.exitcode, "its error is above"
+    if code < 0:
+        code, why = 128 - code, failure.signal_name()
+    print(f"run.sh: rank {rank} exited with status {code} ({why})", file=sys.stderr)
+    sys.exit(code)
+'
+setsid python -c "$TORCHRUN_MAIN" --nproc_per_node "$NPROC" grpo_colocate.py "${ARGS[@]}" "$@" &
 TORCHRUN=$!
 while kill -0 "$TORCHRUN" 2>/dev/null; do
   wait "$TORCHRUN" || true  # (returns early when a signal comes: wait again)
 done
-wait "$TORCHRUN"  # torchrun's exit status is this script's
+wait "$TORCHRUN"  # torchrun's exit status (0, 1, or a failed rank's as above) is this script's

