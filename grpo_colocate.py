@@ -49,6 +49,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 import warnings
 import zlib
 from collections import defaultdict
@@ -257,34 +258,26 @@ def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
     """The built-in task, or --dataset_name's rows: a `prompt` column (and `answer` for the correctness reward)."""
     if cfg.dataset_name == "arithmetic":
         return ArithmeticTask(cfg.seed, cfg.num_eval_prompts)
-    with loading("dataset_name", cfg.dataset_name):
-        dataset = load_train_split(cfg)
-    columns = dataset.column_names
-    if "prompt" not in columns or ("correctness" in cfg.reward_funcs and "answer" not in columns):
-        raise ConfigError(
-            f"--dataset_name {cfg.dataset_name}: needs a 'prompt' column (and 'answer' for the correctness reward); "
-            f"it has {columns}"
-        )
-    if len(dataset) <= cfg.num_eval_prompts:
-        raise ConfigError(f"--dataset_name {cfg.dataset_name}: no rows left after --num_eval_prompts")
-    return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
-
-
-def load_train_split(cfg: Config):
-    """--dataset_name's --dataset_train_split: a folder written by save_to_disk, a data file (typed by its extension:
-    .jsonl, .json, .parquet, .csv), or what load_dataset finds under the name (a hub dataset, a folder of files)."""
     import datasets
 
     name = cfg.dataset_name
     split = cfg.dataset_train_split
     datasets.disable_progress_bars()
-    if os.path.isfile(os.path.join(name, "state.json")) or os.path.isfile(os.path.join(name, "dataset_dict.json")):
-        dataset = datasets.load_from_disk(name)
-        return dataset[split] if isinstance(dataset, datasets.DatasetDict) else dataset
-    if os.path.isfile(name):
-        folder = os.path.dirname(os.path.abspath(name))  # (load_dataset names the dataset after it)
-        return datasets.load_dataset(folder, data_files={split: os.path.basename(name)}, split=split)
-    return datasets.load_dataset(name, cfg.dataset_config, split=split)
+    with loading("dataset_name", name):  # a folder written by save_to_disk, a data file, or what load_dataset finds
+        if os.path.isfile(os.path.join(name, "state.json")) or os.path.isfile(os.path.join(name, "dataset_dict.json")):
+            dataset = datasets.load_from_disk(name)
+            dataset = dataset[split] if isinstance(dataset, datasets.DatasetDict) else dataset
+        elif os.path.isfile(name):  # (typed by its extension; load_dataset names the dataset after its folder)
+            folder = os.path.dirname(os.path.abspath(name))
+            dataset = datasets.load_dataset(folder, data_files={split: os.path.basename(name)}, split=split)
+        else:  # a hub dataset (--dataset_config), a folder of data files
+            dataset = datasets.load_dataset(name, cfg.dataset_config, split=split)
+    columns = dataset.column_names
+    if "prompt" not in columns or ("correctness" in cfg.reward_funcs and "answer" not in columns):
+        raise ConfigError(f"--dataset_name {name}: needs a 'prompt' column ('answer' for correctness); has {columns}")
+    if len(dataset) <= cfg.num_eval_prompts:
+        raise ConfigError(f"--dataset_name {name}: no rows left after --num_eval_prompts")
+    return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
 
 
 def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[dict]:
@@ -411,7 +404,7 @@ def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, p
 
 # ---- loading the run's inputs: every rank loads them alike, so a bad one fails on every rank, before any GPU work
 @dataclass
-class Run:
+class Inputs:
     """What the loop reads: the data, reward functions, tokenizer and DeepSpeed config, and the resume point."""
 
     source: ArithmeticTask | DatasetRows  # source[i]: training row i; source.eval_rows: the held-out eval set
@@ -422,30 +415,31 @@ class Run:
     first_step: int = 0
 
 
-def load_run(cfg: Config, world: int) -> Run:
-    """The options checked, then what they name loaded: a library's error while loading becomes one line that names
-    the option (`loading`). Deterministic, so every rank fails alike: no rank waits in a collective for another."""
+def load_inputs(cfg: Config, world: int) -> Inputs:
+    """The options checked, then what they name loaded, the cheapest first: a library's error while loading becomes
+    one line that names the option (`loading`). Every rank does the same, so (with a filesystem the nodes share) all
+    fail alike, and none is left waiting in a collective for another."""
     from transformers import AutoConfig, AutoTokenizer
 
     check_options(cfg, world)
+    for name in cfg.report_to:
+        if name != "none" and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"--report_to {name}: the {name} package is not installed (pip install {name})")
+    check_output_dir(cfg)
+    with loading("deepspeed_config", cfg.deepspeed_config):
+        ds_config = json.loads(Path(cfg.deepspeed_config).read_text())
     with loading("model", cfg.model):
         model_config = AutoConfig.from_pretrained(cfg.model).get_text_config()
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     check_model(cfg, model_config)
-    with loading("deepspeed_config", cfg.deepspeed_config):
-        ds_config = json.loads(Path(cfg.deepspeed_config).read_text())
+    reward_funcs = {name.rpartition(".")[2]: reward_function(name) for name in cfg.reward_funcs}
     source = prompt_source(cfg)
     with loading("model", cfg.model):  # a model without a chat template, or one that refuses the data's prompts
         chat_prompt_ids(tokenizer, source[0]["prompt"])
-    reward_funcs = {name.rpartition(".")[2]: reward_function(name) for name in cfg.reward_funcs}
-    for name in cfg.report_to:
-        if name != "none" and importlib.util.find_spec(name) is None:
-            raise ConfigError(f"--report_to {name}: the {name} package is not installed (pip install {name})")
-    run = Run(source, reward_funcs, tokenizer, ds_config)
+    inputs = Inputs(source, reward_funcs, tokenizer, ds_config)
     if cfg.resume:
-        run.resume_dir, run.first_step = find_checkpoint(cfg, world)
-    check_output_dir(cfg, run.resume_dir)
-    return run
+        inputs.resume_dir, inputs.first_step = find_checkpoint(cfg, world)
+    return inputs
 
 
 def check_options(cfg: Config, world: int) -> None:
@@ -459,8 +453,11 @@ def check_options(cfg: Config, world: int) -> None:
     sizes = ["vllm_tensor_parallel_size", "num_generations", "per_device_train_batch_size", "max_steps"]
     sizes += ["gradient_accumulation_steps", "max_prompt_length", "max_completion_length", "num_iterations"]
     counts = ["num_eval_prompts", "eval_steps", "save_steps", "num_completions_to_print"]
-    tp = max(cfg.vllm_tensor_parallel_size, 1)  # (below 1: the sizes row)
+    too_small = [name for name in sizes if getattr(cfg, name) < 1]
+    negative = [name for name in counts if getattr(cfg, name) < 0]
+    tp = max(cfg.vllm_tensor_parallel_size, 1)  # (a size below 1 is refused by the first row, before any division)
     G = max(cfg.num_generations, 1)
+    reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]  # (a metric's name: rewards/<name>)
     per_rank = cfg.completions_per_rank
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     tp_fits = world % tp == 0 and per_node % tp == 0  # TP groups are contiguous ranks of one node
@@ -468,8 +465,8 @@ def check_options(cfg: Config, world: int) -> None:
     sleep_ok = not (ON_GPU and cfg.vllm_enable_sleep_mode and "expandable_segments:True" in alloc_conf)
     cap = cfg.vllm_importance_sampling_clip_max
     rows = [
-        (min(getattr(cfg, name) for name in sizes) >= 1, f"--{', --'.join(sizes)} must all be >= 1"),
-        (min(getattr(cfg, name) for name in counts) >= 0, f"--{', --'.join(counts)} must all be >= 0"),
+        (not too_small, f"--{', --'.join(too_small)}: must be >= 1"),
+        (not negative, f"--{', --'.join(negative)}: must be >= 0"),
         (tp_fits, f"--vllm_tensor_parallel_size {tp} must divide the {world} ranks and the {per_node} per node"),
         (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
         (per_rank % G == 0, f"completions per rank {per_rank} must be a multiple of --num_generations {G}"),
@@ -482,6 +479,7 @@ def check_options(cfg: Config, world: int) -> None:
         (cfg.save_total_limit is None or cfg.save_total_limit >= 1, "--save_total_limit: at least 1 checkpoint"),
         (0 < cfg.vllm_gpu_memory_utilization < 1, "--vllm_gpu_memory_utilization must be in (0, 1), e.g. 0.3"),
         (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
+        (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
         (set(cfg.report_to) <= {"none", "wandb", "trackio"}, f"--report_to {cfg.report_to}: none, wandb or trackio"),
         (sleep_ok, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep mode: unset it"),
     ]
@@ -516,15 +514,15 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
         path = (checkpoints(cfg.output_dir) or [None])[-1]
         if path is None:
             raise ConfigError(f"--resume latest: no checkpoint in {cfg.output_dir}")
-    with loading("resume", path):
-        state = json.loads(Path(path, "trainer_state.json").read_text())
     now = {"world_size": world, "seed": cfg.seed, "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size}
-    for key, value in now.items():  # ZeRO-3 state is split per rank; prompts and samples follow seed and TP
-        if state[key] != value:
-            raise ConfigError(
-                f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; an exact resume needs the "
-                "same number of ranks, --seed and --vllm_tensor_parallel_size"
-            )
+    with loading("resume", path):  # (a trainer_state.json of another trainer has none of these: a KeyError)
+        state = json.loads(Path(path, "trainer_state.json").read_text())
+        for key, value in now.items():  # ZeRO-3 state is split per rank; prompts and samples follow seed and TP
+            if state[key] != value:
+                raise ConfigError(
+                    f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; an exact resume needs "
+                    "the same number of ranks, --seed and --vllm_tensor_parallel_size"
+                )
     newer = [c for c in checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
     if newer:  # the new steps would mix with theirs, and a later `--resume latest` would pick the abandoned branch
         raise ConfigError(
@@ -534,14 +532,16 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
     return path, state["step"]
 
 
-def check_output_dir(cfg: Config, resume_dir: str | None) -> None:
+def check_output_dir(cfg: Config) -> None:
     """output_dir exists, and holds no other run: one with metrics or checkpoints takes only --resume latest or one of
     its own checkpoints (several nodes: it must be on a filesystem they share; rank 0 writes there)."""
     out = cfg.output_dir
     used = os.path.exists(os.path.join(out, "metrics.jsonl")) or glob.glob(os.path.join(out, "checkpoint-*"))
-    ours = resume_dir is not None and Path(resume_dir).absolute().parent.resolve() == Path(out).resolve()
-    if used and not ours:
-        advice = "--resume latest, or another --output_dir" if checkpoints(out) else "another --output_dir"
+    its_own = bool(cfg.resume) and Path(cfg.resume).absolute().parent.resolve() == Path(out).resolve()
+    if used and not (cfg.resume == "latest" or its_own):
+        advice = "another --output_dir"
+        if checkpoints(out) and not cfg.resume:  # (a --resume of another run's checkpoint: that run is elsewhere)
+            advice = "--resume latest, or another --output_dir"
         raise ConfigError(f"--output_dir {out} holds another run: pass {advice}")
     with loading("output_dir", out):
         os.makedirs(out, exist_ok=True)
@@ -611,11 +611,10 @@ def grpo_loss(
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # [B, T]
     if is_weight is not None:
         per_token = per_token * is_weight
+    kl = torch.zeros_like(logp)  # [B, T]
     if beta != 0.0:
         log_ratio = ref_logp - logp
-        kl = torch.exp(log_ratio) - log_ratio - 1  # [B, T]
-    else:
-        kl = torch.zeros_like(logp)
+        kl = torch.exp(log_ratio) - log_ratio - 1
     per_token = (per_token + beta * kl) * mask
     if num_sequences is None:
         num_sequences = mask.shape[0]
@@ -994,25 +993,23 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
     stats.mean("grad_norm", rank_grad_norm, 1)
 
 
-def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, live, entropy) -> None:
+def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, mask, entropy) -> None:
     """THE WEIGHT-SYNC CHECK: the trainer's pre-update log-probs of the sampled tokens against vLLM's ([b, T] each).
     They agree but for kernel rounding when vLLM holds the weights just trained; stale weights are off by ~0.1-1."""
-    diff = (trainer_logp - vllm_logp).abs() * live  # [b, T]
-    real = live.bool()
-    tokens = live.sum()
+    diff = (trainer_logp - vllm_logp).abs() * mask  # [b, T]
+    tokens = mask.sum()
     stats.mean("sampling/logp_diff_mean", diff.sum(), tokens)
     stats.max("sampling/logp_diff_max", diff.max())
-    stats.mean("sampling/is_ratio_mean", (is_weight * live).sum(), tokens)
-    # (masked_fill, not is_weight[real]: a boolean index would make the CPU wait for the GPU here)
-    stats.max("sampling/is_ratio_max", is_weight.masked_fill(~real, 0.0).max())
-    stats.mean("entropy", (entropy * live).sum(), tokens)
+    stats.mean("sampling/is_ratio_mean", (is_weight * mask).sum(), tokens)
+    stats.max("sampling/is_ratio_max", (is_weight * mask).max())  # (no boolean index: the CPU does not wait)
+    stats.mean("entropy", (entropy * mask).sum(), tokens)
 
 
 # ================================================================================================= the training loop
-def evaluate(llm, run: Run, cfg: Config, tp_group, device) -> dict:
+def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
     """The rewards of greedy completions of the held-out eval set (eval/rewards/*), split over the ranks and sent to
     vLLM (awake) in batches of one step's prompts at most, so the KV cache does not grow with the eval set."""
-    eval_rows = run.source.eval_rows
+    eval_rows = inputs.source.eval_rows
     world = dist.get_world_size()
     rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
     batch = cfg.completions_per_rank
@@ -1021,11 +1018,11 @@ def evaluate(llm, run: Run, cfg: Config, tp_group, device) -> dict:
     stats = Stats()
     for i in range(rounds):
         chunk = rows[i * batch : (i + 1) * batch]
-        ids = encode_prompts(run.tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
+        ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
         outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
-        r = collect_rollouts(chunk, ids, outputs, run.tokenizer)
+        r = collect_rollouts(chunk, ids, outputs, inputs.tokenizer)
         if r.texts:  # (a rank with no eval rows left scores nothing)
-            score(r, run.reward_funcs, cfg.reward_weights, stats, prefix="eval/")
+            score(r, inputs.reward_funcs, cfg.reward_weights, stats, prefix="eval/")
     return stats.reduce(device)
 
 
@@ -1042,7 +1039,7 @@ class Setup:
     memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
 
 
-def setup(cfg: Config, run: Run) -> Setup:
+def setup(cfg: Config, inputs: Inputs) -> Setup:
     """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (with the state of the checkpoint it
     resumes from) and the optional reference."""
     import deepspeed
@@ -1076,12 +1073,12 @@ def setup(cfg: Config, run: Run) -> Setup:
             "memory/sleep_freed_frac": 1 - asleep / awake,
         }
         say(f"vLLM holds {awake / 2**30:.2f} GiB awake (KV cache: one step), {asleep / 2**30:.2f} asleep", rank0=True)
-    ds_config = fill_ds_config(run.ds_config, cfg, world, bf16=ON_GPU)
+    ds_config = fill_ds_config(inputs.ds_config, cfg, world, bf16=ON_GPU)
     engine = build_trainer(cfg, cfg.model, ds_config, dtype)
     ref = build_trainer(cfg, cfg.model, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
-    if run.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
-        load_training_state(engine, run.resume_dir, ds_config)
-        say(f"resumed from {run.resume_dir}: continuing at step {run.first_step}", rank0=True)
+    if inputs.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
+        load_training_state(engine, inputs.resume_dir, ds_config)
+        say(f"resumed from {inputs.resume_dir}: continuing at step {inputs.first_step}", rank0=True)
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
     per_rank = cfg.completions_per_rank
     G = cfg.num_generations
@@ -1093,17 +1090,17 @@ def setup(cfg: Config, run: Run) -> Setup:
     return Setup(llm, engine, ref, tp_group, sleep_mode, wake_bytes, memory)
 
 
-def train(cfg: Config, run: Run, parts: Setup, run_log: RunLog, device: torch.device) -> None:
+def train(cfg: Config, inputs: Inputs, parts: Setup, run_log: RunLog, device: torch.device) -> None:
     """max_steps GRPO steps, the final model; a checkpoint every save_steps and when a signal asks the run to stop."""
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
     G = cfg.num_generations
     per_rank = cfg.completions_per_rank
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
-    pad_id = run.tokenizer.pad_token_id or 0
-    for step in range(run.first_step, cfg.max_steps):
+    pad_id = inputs.tokenizer.pad_token_id or 0
+    for step in range(inputs.first_step, cfg.max_steps):
         if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
-            return stop_and_save(parts, run, cfg, step)
+            return stop_and_save(parts, inputs, cfg, step)
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
@@ -1111,25 +1108,25 @@ def train(cfg: Config, run: Run, parts: Setup, run_log: RunLog, device: torch.de
         metrics = {"step": step}
         with timer("eval"):
             if eval_due(cfg, step):
-                metrics.update(evaluate(parts.llm, run, cfg, parts.tp_group, device))
+                metrics.update(evaluate(parts.llm, inputs, cfg, parts.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
-        examples = prompts_for_step(run.source, step, per_rank // G, world)
+        examples = prompts_for_step(inputs.source, step, per_rank // G, world)
         prompts = [example["prompt"] for example in examples]
-        prompt_ids = encode_prompts(run.tokenizer, prompts, cfg.max_prompt_length)
+        prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.max_prompt_length)
         seed = step_seed(cfg.seed, step, RANK // tp)
         outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
         with timer("generate"):  # (decoding the texts)
-            rollouts = collect_rollouts(examples, prompt_ids, outputs, run.tokenizer)
+            rollouts = collect_rollouts(examples, prompt_ids, outputs, inputs.tokenizer)
         if parts.sleep_mode:
             with timer("sleep"):
                 sleep_vllm(parts.llm)  # what generation cached in torch's allocator, the trainer reuses
         # a safe point: the samples are dropped, and the resumed run draws them again, with the same seeds
         if stop_requested(device):
-            return stop_and_save(parts, run, cfg, step)
+            return stop_and_save(parts, inputs, cfg, step)
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
         with timer("reward"):
-            rewards = score(rollouts, run.reward_funcs, cfg.reward_weights, stats)
+            rewards = score(rollouts, inputs.reward_funcs, cfg.reward_weights, stats)
             advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards)
         if eval_due(cfg, step):
             print_samples(rollouts, rewards, advantages, cfg.num_completions_to_print)
@@ -1144,19 +1141,19 @@ def train(cfg: Config, run: Run, parts: Setup, run_log: RunLog, device: torch.de
         add_rollout_stats(stats, rollouts, group_std, prompts)
         metrics.update(stats.reduce(device))
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
-        if step == run.first_step:
+        if step == inputs.first_step:
             metrics.update(parts.memory)
         run_log.log(metrics)
         # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-            save_checkpoint(parts.engine, run.tokenizer, cfg, step + 1)
+            save_checkpoint(parts.engine, inputs.tokenizer, cfg, step + 1)
     # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
     if eval_due(cfg, 0) and not stop_requested(device):
         push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode)
-        run_log.log({"step": cfg.max_steps, **evaluate(parts.llm, run, cfg, parts.tp_group, device)})
+        run_log.log({"step": cfg.max_steps, **evaluate(parts.llm, inputs, cfg, parts.tp_group, device)})
         if parts.sleep_mode:
             sleep_vllm(parts.llm)
-    save_model(parts.engine.module, run.tokenizer, os.path.join(cfg.output_dir, "final"))
+    save_model(parts.engine.module, inputs.tokenizer, os.path.join(cfg.output_dir, "final"))
     say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
 
 
@@ -1164,14 +1161,14 @@ def eval_due(cfg: Config, step: int) -> bool:
     return cfg.eval_steps > 0 and cfg.num_eval_prompts > 0 and step % cfg.eval_steps == 0
 
 
-def stop_and_save(parts: Setup, run: Run, cfg: Config, step: int) -> None:
+def stop_and_save(parts: Setup, inputs: Inputs, cfg: Config, step: int) -> None:
     """A signal asked the run to stop before `step`: save what the steps before it trained, unless saved already."""
-    if step == run.first_step:
+    if step == inputs.first_step:
         say(f"stopped by a signal before step {step}: nothing new to save", rank0=True)
         return
     path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     if not (cfg.save_steps > 0 and step % cfg.save_steps == 0):  # (else saved after the last step already)
-        save_checkpoint(parts.engine, run.tokenizer, cfg, step)
+        save_checkpoint(parts.engine, inputs.tokenizer, cfg, step)
     say(f"stopped by a signal after step {step - 1}: saved {path}; resume with --resume latest", rank0=True)
 
 
@@ -1318,12 +1315,13 @@ class Stats:
 
     def reduce(self, device) -> dict[str, float]:
         """{name: value} over all ranks: one copy from the GPU, one all_gather_object, one combine."""
-        numbers = [torch.as_tensor(x, dtype=torch.float64, device=device) for *_, v, c in self.records for x in (v, c)]
-        numbers = torch.stack(numbers).tolist() if numbers else []  # [value, count, value, count, ...]
-        mine = [(name, kind, numbers[2 * i], numbers[2 * i + 1]) for i, (name, kind, *_) in enumerate(self.records)]
+        numbers = [torch.as_tensor(n, dtype=torch.float64, device=device) for *_, v, c in self.records for n in (v, c)]
+        pairs = torch.stack(numbers).view(-1, 2).tolist() if numbers else []  # [records, 2]: value, count
+        records = zip(self.records, pairs, strict=True)
+        mine = [(name, kind, value, count) for (name, kind, *_), (value, count) in records]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        combined = {}  # name -> [kind, value, count]
+        combined = {}  # name -> [kind, value, count] (a name some ranks never record: over those that did)
         for name, kind, value, count in (record for records in everyone for record in records):
             if name not in combined:
                 combined[name] = [kind, value, count]
@@ -1333,8 +1331,10 @@ class Stats:
                 combined[name][1] += value
                 combined[name][2] += count
         out = {}
-        for name, (kind, value, count) in combined.items():  # a mean of nothing (e.g. no sample scored) is NaN
-            out[name] = (value / count if count else math.nan) if kind == "mean" else value
+        for name, (kind, value, count) in combined.items():
+            out[name] = value
+            if kind == "mean":  # (a mean of nothing, e.g. no sample scored, is NaN)
+                out[name] = value / count if count else math.nan
         return out
 
 
@@ -1423,8 +1423,9 @@ class RunLog:
         for name in [name for name in cfg.report_to if name != "none"]:
             project = os.environ.get(f"{name.upper()}_PROJECT", "grpo-colocate")
             where = {"dir": cfg.output_dir} if name == "wandb" else {}  # (trackio: TRACKIO_DIR)
-            tracker = importlib.import_module(name)
-            self.trackers.append((name, tracker.init(project=project, name=cfg.run_name, config=vars(cfg), **where)))
+            with loading("report_to", name):  # (e.g. wandb online without a login)
+                run = importlib.import_module(name).init(project=project, name=cfg.run_name, config=vars(cfg), **where)
+            self.trackers.append((name, run))
 
     def log(self, metrics: dict) -> None:
         if RANK != 0:
@@ -1452,30 +1453,32 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, request_stop)
     cfg = parse_config(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cpu")
+    device = torch.device("cuda", local_rank) if ON_GPU else torch.device("cpu")
     if ON_GPU:
         torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
     if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
         # No device_id: with one, torch creates the NCCL communicator of every new group at once, and vLLM creates
         # several groups that mostly never communicate: 2.3 GiB per GPU that sleep cannot give back.
         dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)
     try:
-        run = load_run(cfg, dist.get_world_size())
+        inputs = load_inputs(cfg, dist.get_world_size())
         torch.manual_seed(cfg.seed)
-        parts = setup(cfg, run)
-        run_log = RunLog(cfg, run.first_step)  # (rank 0's trackers start a run once set-up has worked)
+        parts = setup(cfg, inputs)
+        run_log = RunLog(cfg, inputs.first_step)  # (rank 0's trackers start a run once set-up has worked)
         try:
-            train(cfg, run, parts, run_log, device)
+            train(cfg, inputs, parts, run_log, device)
         except BaseException:
             run_log.close(failed=True)  # wandb marks the run failed; the error goes on
             raise
         run_log.close()
         dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
-    except (ConfigError, NonFiniteError) as e:  # the same on every rank: one line each, no traceback
+    except (ConfigError, NonFiniteError) as e:  # bad input, a NaN loss: one line, no traceback
         say(f"error: {e}")
         # os._exit, not sys.exit: a teardown beside live gloo/NCCL threads can abort
         os._exit(2 if isinstance(e, ConfigError) else 3)
+    except Exception:  # a bug (in a reward function, say): its traceback, as in TRL
+        traceback.print_exc()
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -384,9 +384,9 @@ def test_what_the_options_name_is_loaded_or_refused_in_one_line(tmp_path, monkey
 
     monkeypatch.chdir(tmp_path)
     model = tiny_model_with_tokenizer(tmp_path / "model")
-    run = g.load_run(g.Config(model=model, output_dir=str(tmp_path / "out")), 1)
-    assert len(run.source.eval_rows) == 128 and run.resume_dir is None and run.first_step == 0
-    assert run.ds_config["zero_optimization"]["stage"] == 3 and os.path.isdir(tmp_path / "out")
+    inputs = g.load_inputs(g.Config(model=model, output_dir=str(tmp_path / "out")), 1)
+    assert len(inputs.source.eval_rows) == 128 and inputs.resume_dir is None and inputs.first_step == 0
+    assert inputs.ds_config["zero_optimization"]["stage"] == 3 and os.path.isdir(tmp_path / "out")
     (tmp_path / "bad.json").write_text('{"zero_optimization": {"stage": 3,}}')
     no_template = tmp_path / "no_template"
     tiny_llama_folder(no_template, vocab=49152)
@@ -398,6 +398,9 @@ def test_what_the_options_name_is_loaded_or_refused_in_one_line(tmp_path, monkey
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    used = tmp_path / "used"  # another run's folder: refused before the model is loaded (here: before it fails to)
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 0}\n')
     for options, message in [
         ({"model": str(tmp_path / "missing")}, f"--model {tmp_path / 'missing'}: OSError: "),
         ({"model": tiny_llama_folder(tmp_path / "no_tokenizer")}, f"--model {tmp_path / 'no_tokenizer'}: "),
@@ -406,10 +409,11 @@ def test_what_the_options_name_is_loaded_or_refused_in_one_line(tmp_path, monkey
         ({"reward_funcs": ["nope"]}, "--reward_funcs nope: neither one of ['brevity', 'correctness', 'format'] nor"),
         ({"report_to": ["wandb"]}, "--report_to wandb: the wandb package is not installed (pip install wandb)"),
         ({"vllm_tensor_parallel_size": 3}, "--vllm_tensor_parallel_size 3 must divide the 1 ranks"),
+        ({"model": str(tmp_path / "missing"), "output_dir": str(used)}, f"--output_dir {used} holds another run"),
     ]:
         cfg = g.Config(**{"model": model, "output_dir": str(tmp_path / "out"), **options})
         with pytest.raises(g.ConfigError) as e:
-            g.load_run(cfg, 1)
+            g.load_inputs(cfg, 1)
         assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
     # importing the script imports no tracker (nor datasets): RunLog does, on rank 0, when asked
     probe = "import sys, grpo_colocate; print(sorted({'wandb', 'trackio', 'datasets'} & set(sys.modules)))"
@@ -422,12 +426,12 @@ def test_what_the_options_name_is_loaded_or_refused_in_one_line(tmp_path, monkey
         ("missing", "data.jsonl: FileNotFoundError"),
         (
             "no_prompt",
-            "needs a 'prompt' column (and 'answer' for the correctness reward); it has ['question', 'answer']",
+            "needs a 'prompt' column ('answer' for correctness); has ['question', 'answer']",
         ),
         ("not_parquet", "data.parquet: ArrowInvalid"),
-        ("data.txt", "it has ['text']"),  # a text file: a line per row
+        ("data.txt", "has ['text']"),  # a text file: a line per row
         ("split", "folder: KeyError: 'validation'"),
-        ("no_answer", "needs a 'prompt' column (and 'answer' for the correctness reward); it has ['prompt']"),
+        ("no_answer", "needs a 'prompt' column ('answer' for correctness); has ['prompt']"),
         ("all_held_out", "data.jsonl: no rows left after --num_eval_prompts"),
     ],
 )
@@ -961,8 +965,8 @@ def _eval_worker(rank, world, port, tp, num_rows, q):
     cfg.vllm_tensor_parallel_size = tp
     engine = EchoEngine()
     reward_funcs = {"correctness": g.correctness_reward, "format": g.format_reward}
-    run = g.Run(SimpleNamespace(eval_rows=rows), reward_funcs, CharTokenizer(), ds_config={})
-    metrics = g.evaluate(engine, run, cfg, group, torch.device("cpu"))
+    inputs = g.Inputs(SimpleNamespace(eval_rows=rows), reward_funcs, CharTokenizer(), ds_config={})
+    metrics = g.evaluate(engine, inputs, cfg, group, torch.device("cpu"))
     q.put((rank, (metrics, engine.batches)))
     dist.barrier()
     dist.destroy_process_group()
@@ -1144,7 +1148,7 @@ MODEL_CONFIG = {
     [
         ({"vllm_tensor_parallel_size": 2}, 4, "--vllm_tensor_parallel_size 2 cannot split 9 attention / 3 KV heads"),
         ({"vllm_tensor_parallel_size": 3}, 2, "--vllm_tensor_parallel_size 3 must divide the 2 ranks and the 2 per"),
-        ({"vllm_tensor_parallel_size": 0}, 1, "--vllm_tensor_parallel_size, --num_generations, "),
+        ({"vllm_tensor_parallel_size": 0}, 1, "--vllm_tensor_parallel_size: must be >= 1"),
         (
             {"max_prompt_length": 2000},
             1,
@@ -1165,20 +1169,17 @@ MODEL_CONFIG = {
             "completions per rank 3 must be a multiple of --num_generations 2",
         ),
         ({"num_generations": 1, "per_device_train_batch_size": 1}, 1, "--num_generations 1: a group needs at least 2"),
-        ({"num_generations": 0}, 1, "must all be >= 1"),
-        ({"max_completion_length": 0}, 1, "must all be >= 1"),
+        ({"num_generations": 0}, 1, "--num_generations: must be >= 1"),
+        ({"max_completion_length": 0, "max_steps": -1}, 1, "--max_steps, --max_completion_length: must be >= 1"),
         ({"vllm_gpu_memory_utilization": 0.0}, 1, "must be in (0, 1)"),
         ({"vllm_gpu_memory_utilization": 1.5}, 1, "must be in (0, 1)"),
         ({"epsilon": 0.0}, 1, "clip range must be > 0"),
         ({"epsilon": -0.2}, 1, "clip range must be > 0"),
         ({"vllm_importance_sampling_clip_max": 0.0}, 1, "--vllm_importance_sampling_clip_max 0.0: must be >= 1"),
         ({"save_total_limit": 0}, 1, "--save_total_limit: at least 1 checkpoint"),
-        (
-            {"num_eval_prompts": -1},
-            1,
-            "--num_eval_prompts, --eval_steps, --save_steps, --num_completions_to_print must",
-        ),
-        ({"num_completions_to_print": -1}, 1, "must all be >= 0"),
+        ({"num_eval_prompts": -1, "save_steps": -2}, 1, "--num_eval_prompts, --save_steps: must be >= 0"),
+        ({"num_completions_to_print": -1}, 1, "--num_completions_to_print: must be >= 0"),
+        ({"reward_funcs": ["a.score", "b.score"]}, 1, "--reward_funcs ['a.score', 'b.score']: two share a name"),
         ({"report_to": ["wandb", "mlflow"]}, 1, "--report_to ['wandb', 'mlflow']: none, wandb or trackio"),
         ({"reward_weights": [1.0]}, 1, "--reward_weights: one weight per name in --reward_funcs"),
         ({"temperature": 0.0}, 1, "--temperature 0.0: vLLM samples anything below 0.01 as 0.01"),
@@ -1226,31 +1227,34 @@ def test_options_that_pass_and_the_rows_that_need_more_than_the_options(tmp_path
 def test_an_output_dir_holding_another_run_takes_only_that_run(tmp_path):
     """A folder with another run's metrics or checkpoints is refused, unless --resume continues that run (latest, or
     one of its own checkpoints): two runs' steps would mix in one metrics.jsonl, and a later --resume latest would pick
-    the wrong one. --resume latest is offered only where there is a checkpoint."""
+    the wrong one. --resume latest is offered only where there is a checkpoint, and not to a resume from elsewhere."""
     out = tmp_path / "out"
-    g.check_output_dir(g.Config(output_dir=str(out)), None)  # a new folder is made
+    g.check_output_dir(g.Config(output_dir=str(out)))  # a new folder is made
     assert os.path.isdir(out)
     (out / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(g.ConfigError) as e:
-        g.check_output_dir(g.Config(output_dir=str(out)), None)
+        g.check_output_dir(g.Config(output_dir=str(out)))
     assert str(e.value) == f"--output_dir {out} holds another run: pass another --output_dir"
     fake_checkpoint(out / "checkpoint-2", 2, world=1)
     with pytest.raises(g.ConfigError) as e:
-        g.check_output_dir(g.Config(output_dir=str(out)), None)
+        g.check_output_dir(g.Config(output_dir=str(out)))
     assert str(e.value) == f"--output_dir {out} holds another run: pass --resume latest, or another --output_dir"
     fake_checkpoint(tmp_path / "elsewhere" / "checkpoint-2", 2, world=1)
-    with pytest.raises(g.ConfigError, match="holds another run"):  # a checkpoint of another run into this folder
-        g.check_output_dir(g.Config(output_dir=str(out)), str(tmp_path / "elsewhere" / "checkpoint-2"))
-    g.check_output_dir(g.Config(output_dir=str(out)), str(out / "checkpoint-2"))  # its own run, resumed
-    g.check_output_dir(g.Config(output_dir=str(out) + "/"), str(out / "checkpoint-2"))
-    g.check_output_dir(g.Config(output_dir=str(tmp_path / "new")), str(tmp_path / "elsewhere" / "checkpoint-2"))
+    elsewhere = str(tmp_path / "elsewhere" / "checkpoint-2")
+    with pytest.raises(g.ConfigError) as e:  # a checkpoint of another run into this folder: that run is elsewhere
+        g.check_output_dir(g.Config(output_dir=str(out), resume=elsewhere))
+    assert str(e.value) == f"--output_dir {out} holds another run: pass another --output_dir"
+    for resume in ("latest", str(out / "checkpoint-2"), str(out / "checkpoint-9")):  # its own run, continued
+        g.check_output_dir(g.Config(output_dir=str(out), resume=resume))
+    g.check_output_dir(g.Config(output_dir=str(out) + "/", resume=str(out / "checkpoint-2")))
+    g.check_output_dir(g.Config(output_dir=str(tmp_path / "new"), resume=elsewhere))
     only_cut_short = tmp_path / "cut"
     os.makedirs(only_cut_short / "checkpoint-1.tmp")  # a first save cut short is a run's trace too
     with pytest.raises(g.ConfigError, match="pass another --output_dir$"):
-        g.check_output_dir(g.Config(output_dir=str(only_cut_short)), None)
+        g.check_output_dir(g.Config(output_dir=str(only_cut_short)))
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(g.ConfigError, match=f"^--output_dir {tmp_path / 'a_file' / 'run'}: NotADirectoryError"):
-        g.check_output_dir(g.Config(output_dir=str(tmp_path / "a_file" / "run")), None)
+        g.check_output_dir(g.Config(output_dir=str(tmp_path / "a_file" / "run")))
 
 
 def fake_checkpoint(folder, step, world, seed=0, tp=1):
@@ -1291,6 +1295,12 @@ def test_resume_checks_ranks_seed_and_tp(tmp_path):
     )
     # the same checkpoint, to start a new run in another folder
     assert g.find_checkpoint(g.Config(output_dir=str(tmp_path / "new"), resume=older.resume), 2)[1] == 2
+    os.makedirs(tmp_path / "hf_trainer" / "checkpoint-500")  # transformers' Trainer writes one too, of other keys
+    (tmp_path / "hf_trainer" / "checkpoint-500" / "trainer_state.json").write_text('{"global_step": 500}')
+    with pytest.raises(g.ConfigError, match="checkpoint-500: KeyError: 'world_size'$"):
+        g.find_checkpoint(
+            g.Config(output_dir=str(tmp_path / "new"), resume=str(tmp_path / "hf_trainer" / "checkpoint-500")), 2
+        )
 
 
 def test_stale_saves_are_removed_once_a_newer_one_is_complete(tmp_path):
@@ -1910,6 +1920,21 @@ def test_bad_input_fails_with_one_line_before_anything_heavy(tmp_path):
         assert rc != 0 and "exitcode  : 2" in log, log[-3000:]  # torchrun exits 1 and names our exit code
         assert 1 <= log.count(line) <= 2, log[-3000:]
         assert 'grpo_colocate.py", line' not in log  # no traceback from our ranks (torchrun prints its own summary)
+
+
+BUGGY_REWARD = """
+def reward(completions, **kwargs):
+    return [len(c) / 0 for c in completions]
+"""
+
+
+def test_a_reward_function_that_raises_ends_the_run_with_its_traceback(tiny_tp_model, tmp_path):
+    """A bug in the user's reward function is theirs to fix: its traceback, as TRL shows it, and exit status 1."""
+    (tmp_path / "buggy.py").write_text(BUGGY_REWARD)
+    args = E2E[: E2E.index("--reward_funcs")] + ["--model", str(tiny_tp_model), "--reward_funcs", "buggy.reward"]
+    rc, log, metrics = torchrun(args + ["--max_steps", "1", "--eval_steps", "0"], tmp_path / "out", cwd=tmp_path)
+    assert rc != 0 and "exitcode  : 1" in log and metrics == [], log[-3000:]
+    assert 'buggy.py", line 3, in reward' in log and "ZeroDivisionError: division by zero" in log, log[-3000:]
 
 
 def test_port_in_use_fails_fast(tmp_path):

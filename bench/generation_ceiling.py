@@ -56,25 +56,25 @@ def main() -> None:
     if on_gpu:
         torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
-    if cfg.model == g.Config.model:  # built by local rank 0 before the process group; load_run's collectives wait
+    if cfg.model == g.Config.model:  # built by local rank 0 before the process group; setup's collectives wait
         cfg.model = offline_model.build() if local_rank == 0 else offline_model.folder()
     # before LLM(), which joins it (external_launcher); no device_id, as in grpo_colocate.main
     dist.init_process_group("nccl" if on_gpu else "gloo", timeout=g.DDP_TIMEOUT)
     world, tp, G = dist.get_world_size(), cfg.vllm_tensor_parallel_size, cfg.num_generations
     per_rank = cfg.completions_per_rank
     try:
-        run = g.load_run(cfg, world)
+        inputs = g.load_inputs(cfg, world)
     except g.ConfigError as e:
         g.say(f"error: {e}")
         dist.barrier()
         sys.exit(2)
-    model_path, source = cfg.model, run.source
+    model_path, source = cfg.model, inputs.source
     tp_group = None
     if tp > 1:  # all ranks join
         tp_group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0]
     dtype = torch.bfloat16 if on_gpu else torch.float32
     llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, dtype)
-    tokenizer = run.tokenizer
+    tokenizer = inputs.tokenizer
     examples = g.prompts_for_step(source, args.step, per_rank // G, world)
     prompt_ids = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
     sampling = g.sampling_params(G, cfg.temperature, cfg.max_completion_length)
