@@ -920,7 +920,7 @@ def _exchange_worker(rank, world, port, tp, q):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4), (2, 1)])
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (2, 1)])  # (TP 4: the 8-rank run)
 def test_tp_exchange_keeps_prompts_aligned(world, tp):
     for rank, (everything, own_outputs) in run_workers(_exchange_worker, world, tp).items():
         group = next(grp for grp in g.tp_group_layout(world, tp) if rank in grp)
@@ -1716,9 +1716,9 @@ def assert_trained_and_in_sync(metrics, base_model, final_dir, steps=3):
 def test_e2e_data_parallel_smollm2(tmp_path):
     out = tmp_path
     # 20 eval prompts: 10 a rank, sent to vLLM in batches of one step's 8 (the KV cache holds no more)
-    rc, log, metrics = torchrun(E2E + ["--model", smollm2_path(), "--num_eval_prompts", "20"], out)
+    rc, log, metrics = torchrun(E2E + ["--model", smollm2_path(), "--num_eval_prompts", "20", "--max_steps", "2"], out)
     assert rc == 0, log[-4000:]
-    assert_trained_and_in_sync(metrics, smollm2_path(), out / "final")
+    assert_trained_and_in_sync(metrics, smollm2_path(), out / "final", steps=2)
     for m in (m for m in metrics if "loss" in m):  # every phase of the step is timed and they add up
         phases = sum(m[f"time/{k}"] for k in ("push", "eval", "exchange", "generate", "reward", "train"))
         assert 0 < phases <= m["time/step"] and m["time/train"] > 0 and m["time/push"] > 0, m
@@ -1730,8 +1730,8 @@ def test_e2e_data_parallel_smollm2(tmp_path):
         for ln in lines
         if re.match(r"(step +\d+ \| |note: vLLM sleep mode is CUDA-only|model .* \| 2 ranks|saved |  reward )", ln)
     ]
-    # note, banner, 3 steps + final eval, saved; 4 samples printed at each of the evals of steps 0 and 2
-    assert len(ours) == 15 and len(ours) >= len(lines) - len(ours), "\n".join(lines)
+    # note, banner, 2 steps + the final eval, saved; 4 samples printed at step 0's eval
+    assert len(ours) == 10 and len(ours) >= len(lines) - len(ours), "\n".join(lines)
     for noise in (
         "Failed to load weights",
         "set_num_threads",
@@ -2209,11 +2209,11 @@ WIDE = [
 ]
 
 
-def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_path):
+def test_e2e_eight_ranks_tp4_exchange_and_checkpoint(tiny8_model, tmp_path):
     """torchrun --nproc_per_node 8 with TP=4: two engines of four contiguous ranks. Every rank of a group feeds its
     engine the same prompts with the same seeds and gets back its own slice; the two groups draw different prompts; the
-    float32 sync check holds after every push. A checkpoint written by 8 ranks resumes with 8 (the same step again,
-    exactly) and is refused, with one line, with 2."""
+    float32 sync check holds after every push. A checkpoint written by 8 ranks is refused, with one line, with 2 (the
+    exact resume itself: the TP=2 and two-node tests)."""
     launcher, out = tmp_path / "record.py", tmp_path / "out"
     launcher.write_text(RECORDER.format(here=HERE))
     args = WIDE + [
@@ -2222,47 +2222,32 @@ def test_e2e_eight_ranks_tp4_exchange_checkpoint_and_resume(tiny8_model, tmp_pat
         "--vllm_tensor_parallel_size",
         "4",
         "--max_steps",
-        "2",
+        "1",
         "--save_steps",
         "1",
     ]
     rc, log, metrics = torchrun(args, out, nproc=8, script=str(launcher))
     assert rc == 0, log[-4000:]
-    assert [m["step"] for m in metrics] == [0, 1] and all(m["sampling/logp_diff_mean"] < 1e-3 for m in metrics), (
-        metrics
-    )
-    calls = {r: read_jsonl(out / f"exchange-rank{r}.jsonl") for r in range(8)}
-    for step in range(2):
-        c = {r: calls[r][step] for r in range(8)}
-        assert all(c[r]["mine"] for r in range(8))  # each rank's outputs are its own prompts', in order
-        assert len({c[r]["own"] for r in range(8)}) == 8  # every rank drew its own prompts
-        for group in (
-            [0, 1, 2, 3],
-            [4, 5, 6, 7],
-        ):  # one engine per group: the same prompts and seeds on each of its ranks
-            assert len({(c[r]["engine_prompts"], tuple(c[r]["seeds"])) for r in group}) == 1, (step, group)
-        assert c[0]["engine_prompts"] != c[4]["engine_prompts"] and c[0]["seeds"] != c[4]["seeds"]
-    os.rename(out / "checkpoint-2", tmp_path / "checkpoint-2")  # (a run resumed from checkpoint-1 replaces it)
-    rc, log, resumed = torchrun(args + ["--resume", str(out / "checkpoint-1")], out, nproc=8, script=str(launcher))
-    assert rc == 0 and "continuing at step 1" in log, log[-3000:]
-    for key in ("reward", "completions/total_tokens", "prompts/hash"):
-        assert resumed[1][key] == metrics[1][key], key
-    assert resumed[1]["loss"] == pytest.approx(metrics[1]["loss"], rel=1e-4, abs=1e-6)
+    assert [m["step"] for m in metrics] == [0] and metrics[0]["sampling/logp_diff_mean"] < 1e-3, metrics
+    c = {r: read_jsonl(out / f"exchange-rank{r}.jsonl")[0] for r in range(8)}  # each rank's one generate() call
+    assert all(c[r]["mine"] for r in range(8))  # each rank's outputs are its own prompts', in order
+    assert len({c[r]["own"] for r in range(8)}) == 8  # every rank drew its own prompts
+    for group in ([0, 1, 2, 3], [4, 5, 6, 7]):  # one engine per group: the same prompts and seeds on each of its ranks
+        assert len({(c[r]["engine_prompts"], tuple(c[r]["seeds"])) for r in group}) == 1, group
+    assert c[0]["engine_prompts"] != c[4]["engine_prompts"] and c[0]["seeds"] != c[4]["seeds"]
+    assert os.path.isfile(out / "checkpoint-1" / "trainer_state.json")
     rc, log, _ = torchrun(
         args[:-2] + ["--vllm_tensor_parallel_size", "2", "--resume", "latest"], out, nproc=2, timeout=300
     )
-    assert rc != 0 and f"error: --resume {out / 'checkpoint-2'}: saved with world_size 8, resumed with 2" in log, log
+    assert rc != 0 and f"error: --resume {out / 'checkpoint-1'}: saved with world_size 8, resumed with 2" in log, log
 
 
 def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
     """Two torchrun agents (--nnodes 2, 2 ranks each, c10d rendezvous) train, save, and resume from the checkpoint. A
-    TP group that would span the nodes is refused before anything heavy starts, with one line. Each node
-    has its own copy of the offline default model, as two machines would: offline_model.py builds it once per node,
-    outside torch.distributed, and each node's ranks read their own (SmolLM2's 9 heads do not split over TP 2: refused
-    on every rank)."""
+    TP group that would span the nodes is refused before anything heavy starts, with one line."""
     port, out = free_port(), tmp_path / "out"
 
-    def two_nodes(args, timeout=900, node_args=((), ())):
+    def two_nodes(args, timeout=900):
         procs = []
         for node in (0, 1):
             cmd = [
@@ -2285,7 +2270,6 @@ def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
                 "--output_dir",
                 str(out),
                 *args,
-                *node_args[node],
             ]
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             procs.append(
@@ -2304,26 +2288,6 @@ def test_e2e_two_nodes_on_one_machine(tiny8_model, tmp_path):
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [0, 1]
     rcs, log = two_nodes(args + ["--max_steps", "1", "--vllm_tensor_parallel_size", "4"], timeout=300)
     assert rcs[0] != 0 and "error: --vllm_tensor_parallel_size 4 must divide the 4 ranks and the 2 per node" in log
-    models = []
-    for node in (0, 1):  # as run.sh does on each machine: python offline_model.py prints the folder it built
-        env = {**os.environ, "GRPO_CACHE": str(tmp_path / f"cache-node{node}")}
-        built = subprocess.run(
-            [sys.executable, os.path.join(HERE, "offline_model.py")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=True,
-        )
-        models.append(("--model", built.stdout.splitlines()[-1]))  # (the first build may log to stdout)
-    fresh = ["--output_dir", str(tmp_path / "out-default")]  # (out holds the run above: it would be refused)
-    rcs, log = two_nodes(
-        WIDE + ["--max_steps", "1", "--vllm_tensor_parallel_size", "2", *fresh], timeout=600, node_args=models
-    )
-    assert rcs[0] != 0 and "error: --vllm_tensor_parallel_size 2 cannot split 9 attention / 3 KV heads" in log
-    assert all(
-        os.path.isfile(tmp_path / f"cache-node{n}" / "SmolLM2-135M-Instruct" / "config.json") for n in (0, 1)
-    )  # built on each node
 
 
 # ----------------------------------------------------------------------- what TRL users bring: data, rewards, trackers
