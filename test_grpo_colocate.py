@@ -2372,6 +2372,20 @@ def test_a_run_that_ends_in_an_error_is_marked_failed_in_wandb(tmp_path, monkeyp
     assert [row["reward"] for row in read_wandb_history(wandb_file) if "reward" in row] == [0.5]
 
 
+def test_a_tracker_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    """A tracker's init failing on rank 0 (wandb online without a login, say) is one line naming --report_to."""
+    from types import SimpleNamespace
+
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty)\nmore lines of the tracker's own")
+
+    monkeypatch.setitem(sys.modules, "trackio", SimpleNamespace(init=init))
+    monkeypatch.setattr(g, "RANK", 0)
+    with pytest.raises(g.ConfigError) as e:
+        g.RunLog(g.Config(output_dir=str(tmp_path), report_to=["trackio"]), first_step=0)
+    assert str(e.value) == "--report_to trackio: RuntimeError: api_key not configured (no-tty)"
+
+
 def test_e2e_trl_data_rewards_and_trackers(tiny_tp_model, tmp_path):
     """A TRL user's pieces, unchanged, under torchrun: a parquet file written by `datasets` with conversational prompts
     and a `solution` column, reward functions given by import path from the working directory, wandb (offline) and
