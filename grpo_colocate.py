@@ -158,6 +158,7 @@ class Config:
 
 
 PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (its extra memory, + 1 parameter)
+LOGPROB_CHUNK = 2**28  # the trainer's log-prob pass takes ~this many logits (1 GiB in float32) at a time
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -565,11 +566,12 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
-    """logits [T, V], tokens [T] -> log p(token) [T] under softmax(logits / temperature), and entropy [T] (no grad)."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [T, V]
+    """logits [..., V], tokens [...] -> log p(token) [...] under softmax(logits / temperature), and the entropy [...]
+    (no grad)."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [..., V]
     with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [T]
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [T]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
     return logp, entropy
 
 
@@ -781,6 +783,7 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
     All ranks must iterate it together. A tensor is valid only until the next bucket is gathered (the bucket is freed
     then): the consumer copies it before asking for the next one, as vLLM's load_weights and save_model do."""
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     params = list(model.named_parameters())
     bucket = []
@@ -789,7 +792,11 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
         bucket.append((name, param))
         bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
         if bucket_size >= bucket_bytes or i == len(params) - 1:
-            with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
+            # Parameters under ZeRO-3's persistence threshold are whole on every rank already (DeepSpeed gathers them
+            # after each optimizer step): gathering them again would free them on exit, and cost the next forward pass
+            # a gather of its own.
+            partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
+            with deepspeed.zero.GatheredParameters(partitioned):
                 for bucket_name, bucket_param in bucket:
                     yield bucket_name, bucket_param.data
             bucket = []
@@ -906,7 +913,7 @@ def load_training_state(engine, checkpoint: str, ds_config: dict) -> None:
 
 
 def sequence_logprobs(model, prompts: list, completions: list, temperature: float, device, pad_id: int):
-    """The model's log-probs and entropies of each completion's tokens, as two [B, T_max] tensors (0 past the end)."""
+    """The model's log-probs and entropies of each completion's tokens, as two [B, T] tensors (T: the longest)."""
     sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(s) for s in sequences)
     padded = [s + [pad_id] * (width - len(s)) for s in sequences]  # right padding
@@ -920,15 +927,19 @@ def sequence_logprobs(model, prompts: list, completions: list, temperature: floa
     first = min(len(p) for p in prompts) - 1
     output = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=width - first)
     logits = output.logits  # [B, L - first, V]
-    logps, entropies = [], []
-    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):  # row by row: [B, L, V] in float32 is large
-        start = len(p) - 1 - first  # the logits that predict this completion's first token
-        tokens = ids[i, len(p) : len(p) + len(c)]
-        logp, entropy = token_logprobs(logits[i, start : start + len(c)], tokens, temperature)
-        logps.append(logp)
-        entropies.append(entropy)
+    # Row i's completion: its tokens, the logits that predict them (from its prompt's last token on) and 1s, each
+    # padded with 0 to the longest completion
     pad = torch.nn.utils.rnn.pad_sequence
-    return pad(logps, batch_first=True), pad(entropies, batch_first=True)
+    rows = list(enumerate(zip(prompts, completions, strict=True)))
+    tokens = pad([ids[i, len(p) : len(p) + len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T]
+    mask = pad([attention_mask[i, len(p) : len(p) + len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T]
+    scored = pad([logits[i, len(p) - 1 - first :][: len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T, V]
+    # float32 over the vocabulary for ~LOGPROB_CHUNK logits at a time: a few rows per kernel, not one, nor all at once
+    n = max(1, LOGPROB_CHUNK // scored[0].numel())
+    chunks = [token_logprobs(scored[i : i + n], tokens[i : i + n], temperature) for i in range(0, len(rows), n)]
+    logp = torch.cat([chunk[0] for chunk in chunks])  # [B, T]
+    entropy = torch.cat([chunk[1] for chunk in chunks])  # [B, T]
+    return logp * mask, entropy * mask  # 0 past each completion's end
 
 
 def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:

@@ -200,10 +200,14 @@ def test_loss_ignores_masked_tokens():
     assert a.item() == b.item()
 
 
-def test_sequence_logprobs_match_unpadded_forward(tmp_path):
+@pytest.mark.parametrize("chunk", [1, g.LOGPROB_CHUNK])
+def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk):
     """Padding and the prompt/completion boundary: each row equals a forward pass over that row alone; the LM head
-    sees only positions from the shortest prompt's last token on (no logits for the rest of the prompts)."""
+    sees only positions from the shortest prompt's last token on (no logits for the rest of the prompts). The float32
+    pass over the vocabulary a row at a time (chunk 1) or all rows at once."""
     from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(g, "LOGPROB_CHUNK", chunk)
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path)).eval()
     prompts, comps = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
@@ -1413,6 +1417,7 @@ def _zero3_worker(rank, world, port, model, q):
     join_group(rank, world, port)
     import deepspeed
     import deepspeed.ops
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from deepspeed.utils import safe_get_full_grad
     from transformers import AutoModelForCausalLM
 
@@ -1476,6 +1481,11 @@ def _zero3_worker(rank, world, port, model, q):
             for n, p in ref.named_parameters()
         )
         params = list(engine.module.parameters())
+        if persist is None:  # the push reads the parameters ZeRO-3 keeps whole as they are, and leaves them whole
+            whole = {n: p.data.clone() for n, p in engine.module.named_parameters() if p.ds_persist}
+            pushed = {n: t.clone() for n, t in g.gathered_params(engine.module)}
+            still_whole = all(p.ds_status == ZeroParamStatus.AVAILABLE for p in params if p.ds_persist)
+            persistent_push = (len(whole), still_whole, all(torch.equal(pushed[n], t) for n, t in whole.items()))
         out.append(
             (
                 loss_type,
@@ -1505,6 +1515,7 @@ def _zero3_worker(rank, world, port, model, q):
     out.append(
         sorted(type(m).__name__ for m in deepspeed.utils.get_z3_leaf_modules(engine.module))
     )  # ZeRO-3's fetch units
+    out.append(persistent_push)
     q.put((rank, out))
     dist.destroy_process_group()
 
@@ -1548,10 +1559,13 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
     every loss type. The model's config has attention dropout 0.5: build_trainer must switch
     it off (vLLM samples without dropout), or these gradients would not match; each decoder layer is a ZeRO-3 leaf;
     parameters kept whole (ds_zero3.json's persistence threshold) or all partitioned. Then the weight push's bucketed
-    gather: the same tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket."""
+    gather: the same tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket; and
+    the parameters kept whole stay whole through it."""
     model = tiny_llama_folder(tmp_path / "model", dropout=0.5)
     for out in run_workers(_zero3_worker, 2, model, timeout=600).values():
-        assert len(out) == 7
+        assert len(out) == 8
+        n_whole, still_whole, same_values = out.pop()
+        assert n_whole > 0 and still_whole and same_values  # not freed by the push, for the next forward to gather
         assert (
             out.pop() == ["LlamaDecoderLayer"] * 2
         )  # hooked and fetched a layer at a time: the gradients below still hold

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,7 +106,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="ours then TRL, this many times")
     p.add_argument("--nproc", type=int, default=0, help="ranks per side (0: every visible GPU)")
     p.add_argument("--trl_steps", type=int, default=0, help="TRL's steps (0: ours' --max_steps)")
-    p.add_argument("--out", default="/tmp/vs_trl", help="logs and ours' output_dir per round")
+    p.add_argument("--out", default="/tmp/vs_trl", help="logs and ours' output_dir per round (replaced)")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
     argv = sys.argv[1:]
     own, ours_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -124,6 +125,7 @@ def main() -> None:
             return
         if "model" not in given_options(ours_args):
             offline_model.build()  # once, before either side's ranks look for it
+        shutil.rmtree(os.path.join(args.out, f"ours-{r}"), ignore_errors=True)  # (an earlier call's, of any config)
         run_logged(ours, {}, os.path.join(args.out, f"ours-{r}.log"))
         s = split(read_rows(os.path.join(args.out, f"ours-{r}", "metrics.jsonl")))
         ours_runs.append(s)
