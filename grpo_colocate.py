@@ -566,8 +566,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
-    """logits [..., V], tokens [...] -> log p(token) [...] under softmax(logits / temperature), and the entropy [...]
-    (no grad)."""
+    """logits [..., V], tokens [...] -> log p(token) and the entropy (no grad) under softmax(logits / temperature)."""
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [..., V]
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
@@ -792,9 +791,8 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
         bucket.append((name, param))
         bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
         if bucket_size >= bucket_bytes or i == len(params) - 1:
-            # Parameters under ZeRO-3's persistence threshold are whole on every rank already (DeepSpeed gathers them
-            # after each optimizer step): gathering them again would free them on exit, and cost the next forward pass
-            # a gather of its own.
+            # parameters under ZeRO-3's persistence threshold are whole already (DeepSpeed gathers them after each
+            # optimizer step): gathering them would free them on exit, for the next forward pass to gather again
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
                 for bucket_name, bucket_param in bucket:
@@ -927,8 +925,7 @@ def sequence_logprobs(model, prompts: list, completions: list, temperature: floa
     first = min(len(p) for p in prompts) - 1
     output = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=width - first)
     logits = output.logits  # [B, L - first, V]
-    # Row i's completion: its tokens, the logits that predict them (from its prompt's last token on) and 1s, each
-    # padded with 0 to the longest completion
+    # row i's completion: its tokens, the logits that predict them and 1s (its mask), each padded with 0 to length T
     pad = torch.nn.utils.rnn.pad_sequence
     rows = list(enumerate(zip(prompts, completions, strict=True)))
     tokens = pad([ids[i, len(p) : len(p) + len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T]
