@@ -925,17 +925,22 @@ def sequence_logprobs(model, prompts: list, completions: list, temperature: floa
     first = min(len(p) for p in prompts) - 1
     output = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=width - first)
     logits = output.logits  # [B, L - first, V]
-    # row i's completion: its tokens, the logits that predict them and 1s (its mask), each padded with 0 to length T
+    # row i's completion: its tokens and 1s (its mask), padded with 0 to the longest (T); the logits that predict them
     pad = torch.nn.utils.rnn.pad_sequence
     rows = list(enumerate(zip(prompts, completions, strict=True)))
     tokens = pad([ids[i, len(p) : len(p) + len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T]
     mask = pad([attention_mask[i, len(p) : len(p) + len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T]
-    scored = pad([logits[i, len(p) - 1 - first :][: len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T, V]
+    predicting = [logits[i, len(p) - 1 - first :][: len(c)] for i, (p, c) in rows]  # [len(c), V] each (views)
+    logp = torch.zeros(tokens.shape, device=device)  # [B, T]
+    entropy = torch.zeros(tokens.shape, device=device)  # [B, T]
     # float32 over the vocabulary for ~LOGPROB_CHUNK logits at a time: a few rows per kernel, not one, nor all at once
-    n = max(1, LOGPROB_CHUNK // scored[0].numel())
-    chunks = [token_logprobs(scored[i : i + n], tokens[i : i + n], temperature) for i in range(0, len(rows), n)]
-    logp = torch.cat([chunk[0] for chunk in chunks])  # [B, T]
-    entropy = torch.cat([chunk[1] for chunk in chunks])  # [B, T]
+    n = max(1, LOGPROB_CHUNK // tokens.shape[1] // logits.shape[-1])
+    for i in range(0, len(rows), n):
+        chunk = pad(predicting[i : i + n], batch_first=True)  # [n, T_chunk, V]: a copy of these rows only
+        chunk_width = chunk.shape[1]
+        chunk_logp, chunk_entropy = token_logprobs(chunk, tokens[i : i + n, :chunk_width], temperature)
+        logp[i : i + n, :chunk_width] = chunk_logp
+        entropy[i : i + n, :chunk_width] = chunk_entropy
     return logp * mask, entropy * mask  # 0 past each completion's end
 
 
