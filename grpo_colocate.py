@@ -62,6 +62,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 # vLLM, DeepSpeed and transformers read these (external_launcher runs the engine in this process); the shell's values
 # win. On CPU, vLLM's warnings are about its CPU backend (no tcmalloc, no Triton, eager mode, thread binding).
@@ -105,9 +106,12 @@ class Config:
     num_generations: int = HfArg(default=8, help="completions sampled per prompt (the group size G)")
     per_device_train_batch_size: int = HfArg(default=32, help="completions per rank per forward/backward micro-batch")
     gradient_accumulation_steps: int = HfArg(default=1, help="micro-batches per optimizer step")
-    max_prompt_length: int = HfArg(default=256, help="prompts longer than this many tokens are cut from the left")
+    max_prompt_length: int = HfArg(default=256, help="tokens per templated prompt at most (a longer one: an error)")
     max_completion_length: int = HfArg(default=128, help="maximum new tokens per completion")
     temperature: float = HfArg(default=1.0, help="sampling temperature (the trainer's log-probs use the same)")
+    chat_template_kwargs: str | None = HfArg(
+        default=None, help='JSON for the chat template: {"enable_thinking": false}'
+    )
 
     # --- the optimizer: AdamW at a constant learning rate (its betas are in ds_zero3.json)
     learning_rate: float = HfArg(default=1e-5, help="AdamW learning rate")
@@ -156,9 +160,20 @@ class Config:
         """What each rank samples and trains on in one step."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
+    @property
+    def template_kwargs(self) -> dict:
+        """--chat_template_kwargs as the keywords of every apply_chat_template call (a string on the command line)."""
+        return json.loads(self.chat_template_kwargs or "{}")
+
 
 PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (its extra memory, + 1 parameter)
-LOGPROB_CHUNK = 2**28  # the trainer's log-prob pass takes ~this many logits (1 GiB in float32) at a time
+LOGPROB_CHUNK = 2**28  # the trainer's log-prob pass makes at most ~this many logits (1 GiB in float32) at a time
+LOGIT_TRANSFORMS = [
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "lm_head_multiplier",
+]  # see check_model
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -287,16 +302,33 @@ def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[
     return [source[first + j] for j in range(per_rank)]
 
 
-def chat_prompt_ids(tokenizer, prompt: str | list[dict]) -> list[int]:
-    """A prompt through the model's chat template: plain text as one user turn, a list of messages as it is."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    return list(ids)
+def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list[int]]:
+    """Prompts through the model's chat template, in one call: plain text as one user turn, messages as they are."""
+    if not prompts:  # (apply_chat_template reads a batch's first item)
+        return []
+    conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    batch = tokenizer.apply_chat_template(
+        conversations, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+    )
+    return [list(ids) for ids in batch]
 
 
-def encode_prompts(tokenizer, prompts: list, max_len: int) -> list[list[int]]:
-    """Chat-prompt token ids, cut from the left to max_len (vLLM would refuse a longer one)."""
-    return [chat_prompt_ids(tokenizer, prompt)[-max_len:] for prompt in prompts]
+def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
+    """Every prompt of the data (the eval rows included; of the built-in task, its eval rows, which span its lengths)
+    fits --max_prompt_length once templated: the loop cuts none, and vLLM would refuse a longer one."""
+    if isinstance(source, DatasetRows):
+        prompts = source.dataset["prompt"]  # (one read of the column)
+    else:
+        prompts = [row["prompt"] for row in source.eval_rows]
+    lengths = sorted(len(ids) for ids in encode_prompts(tokenizer, list(prompts), cfg.template_kwargs))
+    over = sum(n > cfg.max_prompt_length for n in lengths)
+    if over:
+        p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]
+        raise ConfigError(
+            f"--max_prompt_length {cfg.max_prompt_length}: {over} of {len(lengths)} prompts are longer once templated "
+            f"(longest {lengths[-1]} tokens, 99th percentile {p99}): raise it (it also sizes the KV cache of every "
+            "sequence) or filter the data"
+        )
 
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -436,7 +468,7 @@ def load_inputs(cfg: Config, world: int) -> Inputs:
     reward_funcs = {name.rpartition(".")[2]: reward_function(name) for name in cfg.reward_funcs}
     source = prompt_source(cfg)
     with loading("model", cfg.model):  # a model without a chat template, or one that refuses the data's prompts
-        chat_prompt_ids(tokenizer, source[0]["prompt"])
+        check_prompt_lengths(tokenizer, source, cfg)
     inputs = Inputs(source, reward_funcs, tokenizer, ds_config)
     if cfg.resume:
         inputs.resume_dir, inputs.first_step = find_checkpoint(cfg, world)
@@ -465,6 +497,10 @@ def check_options(cfg: Config, world: int) -> None:
     alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     sleep_ok = not (ON_GPU and cfg.vllm_enable_sleep_mode and "expandable_segments:True" in alloc_conf)
     cap = cfg.vllm_importance_sampling_clip_max
+    try:
+        template_ok = isinstance(cfg.template_kwargs, dict)
+    except json.JSONDecodeError:
+        template_ok = False
     rows = [
         (not too_small, f"--{', --'.join(too_small)}: must be >= 1"),
         (not negative, f"--{', --'.join(negative)}: must be >= 0"),
@@ -483,6 +519,7 @@ def check_options(cfg: Config, world: int) -> None:
         (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
         (set(cfg.report_to) <= {"none", "wandb", "trackio"}, f"--report_to {cfg.report_to}: none, wandb or trackio"),
         (sleep_ok, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep mode: unset it"),
+        (template_ok, f"--chat_template_kwargs {cfg.chat_template_kwargs}: must be a JSON object"),
     ]
     for ok, message in rows:
         if not ok:
@@ -499,10 +536,17 @@ def check_model(cfg: Config, model_config) -> None:
     length = cfg.max_prompt_length + cfg.max_completion_length
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
     weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
+    # what some models do to the logits after the LM head (Gemma 2, Cohere, Granite, Falcon-H1); vLLM does it too
+    after_head = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
     if not heads_split:
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
     if length > context:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: over the context, {context}")
+    if after_head:
+        raise ConfigError(
+            f"--model {cfg.model}: its {after_head[0]} transforms the logits after the LM head, which the trainer's "
+            "log-prob pass (sequence_logprobs) does not"
+        )
     if os.path.isdir(cfg.model) and not weights:
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
 
@@ -910,8 +954,12 @@ def load_training_state(engine, checkpoint: str, ds_config: dict) -> None:
                 group[key] = tuple(settings[key]) if key == "betas" else settings[key]
 
 
-def sequence_logprobs(model, prompts: list, completions: list, temperature: float, device, pad_id: int):
-    """The model's log-probs and entropies of each completion's tokens, as two [B, T] tensors (T: the longest)."""
+def sequence_logprobs(
+    model, prompts: list, completions: list, temperature: float, device, pad_id: int, max_tokens: int
+):
+    """The model's log-probs and entropies of each completion's tokens, as two [B, T] tensors (T: the longest), 0 past
+    each completion's end. max_tokens: the most completion tokens a micro-batch can hold, which sets how many chunks
+    the LM head runs in (the same on every rank and step, as ZeRO-3 needs: see chunked_logprobs)."""
     sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(s) for s in sequences)
     padded = [s + [pad_id] * (width - len(s)) for s in sequences]  # right padding
@@ -920,28 +968,68 @@ def sequence_logprobs(model, prompts: list, completions: list, temperature: floa
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     ids, attention_mask = host.to(device, non_blocking=True)  # [B, L] each
-    # Position t predicts token t + 1, so positions before the shortest prompt's last token are never scored: the LM
-    # head runs on the rest only (logits_to_keep), and the prompts get no [positions, vocabulary] logits.
-    first = min(len(p) for p in prompts) - 1
-    output = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=width - first)
-    logits = output.logits  # [B, L - first, V]
-    # row i's completion: its tokens and 1s (its mask), padded with 0 to the longest (T); the logits that predict them
-    pad = torch.nn.utils.rnn.pad_sequence
-    rows = list(enumerate(zip(prompts, completions, strict=True)))
-    tokens = pad([ids[i, len(p) : len(p) + len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T]
-    mask = pad([attention_mask[i, len(p) : len(p) + len(c)] for i, (p, c) in rows], batch_first=True)  # [B, T]
-    predicting = [logits[i, len(p) - 1 - first :][: len(c)] for i, (p, c) in rows]  # [len(c), V] each (views)
-    logp = torch.zeros(tokens.shape, device=device)  # [B, T]
-    entropy = torch.zeros(tokens.shape, device=device)  # [B, T]
-    # float32 over the vocabulary for ~LOGPROB_CHUNK logits at a time: a few rows per kernel, not one, nor all at once
-    n = max(1, LOGPROB_CHUNK // tokens.shape[1] // logits.shape[-1])
-    for i in range(0, len(rows), n):
-        chunk = pad(predicting[i : i + n], batch_first=True)  # [n, T_chunk, V]: a copy of these rows only
-        chunk_width = chunk.shape[1]
-        chunk_logp, chunk_entropy = token_logprobs(chunk, tokens[i : i + n, :chunk_width], temperature)
-        logp[i : i + n, :chunk_width] = chunk_logp
-        entropy[i : i + n, :chunk_width] = chunk_entropy
-    return logp * mask, entropy * mask  # 0 past each completion's end
+    hidden = final_hidden_states(model, ids, attention_mask)  # [B, L, H]
+    # Position t predicts token t + 1: row i's completion tokens are predicted by positions len(p) - 1 onwards. The
+    # N = sum of len(c) predicting positions of all rows, flat and in row order:
+    lengths = torch.tensor([len(c) for c in completions])  # [B]
+    rows = torch.repeat_interleave(torch.arange(len(completions)), lengths).to(device)  # [N]
+    positions = torch.cat(
+        [torch.arange(len(p) - 1, len(p) - 1 + len(c)) for p, c in zip(prompts, completions, strict=True)]
+    )
+    positions = positions.to(device)  # [N]
+    head = unwrapped(model).get_output_embeddings()
+    num_chunks = math.ceil(max_tokens * head.out_features / LOGPROB_CHUNK)
+    logp, entropy = chunked_logprobs(head, hidden[rows, positions], ids[rows, positions + 1], temperature, num_chunks)
+    mask = torch.arange(lengths.max())[None] < lengths[:, None]  # [B, T]: the completions' tokens, row by row
+    mask = mask.to(device)
+    zeros = torch.zeros(mask.shape, device=device)
+    return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each
+
+
+def final_hidden_states(model, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The model's last hidden states [B, L, H], after its final norm: what its LM head would turn into [B, L, V]
+    logits. A hook takes them as the LM head's input inside the model's own forward (DeepSpeed's engine, gradient
+    checkpointing, the model's final norm all as usual; output_hidden_states would keep every layer's states alive),
+    and hands the head an empty slice instead: the forward computes no logits."""
+    captured = []
+
+    def take_input(head, args):
+        captured.append(args[0])
+        return (args[0][..., :0, :],)
+
+    hook = unwrapped(model).get_output_embeddings().register_forward_pre_hook(take_input)
+    try:
+        model(input_ids=ids, attention_mask=attention_mask)
+    finally:
+        hook.remove()
+    return captured[0]
+
+
+def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
+    """hidden [N, H], tokens [N] -> log p(token) [N] and the entropy [N], through the LM head num_chunks slices of
+    positions at a time. Each slice's [n, V] logits are recomputed in backward (checkpoint), so no more than one
+    slice's logits exist at once: memory grows with N / num_chunks x V, not N x V. The head is called num_chunks
+    times whatever N is (empty slices too): ZeRO-3 gathers its weight at each call, and every rank must make the same
+    calls in the same order."""
+    size = math.ceil(len(tokens) / num_chunks)
+    logps = []
+    entropies = []
+    for k in range(num_chunks):
+        part = slice(k * size, (k + 1) * size)
+        logp, entropy = checkpoint(head_logprobs, head, hidden[part], tokens[part], temperature, use_reentrant=False)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    """One slice: hidden [n, H] -> the LM head's logits [n, V] -> log p(token) and the entropy [n]."""
+    return token_logprobs(head(hidden), tokens, temperature)
+
+
+def unwrapped(model):
+    """The HF model inside DeepSpeed's engine (or the model itself)."""
+    return getattr(model, "module", model)
 
 
 def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:
@@ -969,8 +1057,10 @@ def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device,
         "num_tokens": tokens_per_rank,
     }
 
+    max_tokens = batch * cfg.max_completion_length  # (what sets the LM head's chunks: the same on every rank)
+
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
-        return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id)
+        return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id, max_tokens)
 
     with torch.no_grad():  # [b, T] each: the policy that sampled, frozen before the first update; the reference, once
         old_logps = [logprobs(engine, s)[0] if cfg.num_iterations > 1 else None for s in micro_batches]
@@ -1031,7 +1121,7 @@ def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
     stats = Stats()
     for i in range(rounds):
         chunk = rows[i * batch : (i + 1) * batch]
-        ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.max_prompt_length)
+        ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.template_kwargs)
         outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
         r = collect_rollouts(chunk, ids, outputs, inputs.tokenizer)
         if r.texts:  # (a rank with no eval rows left scores nothing)
@@ -1125,7 +1215,7 @@ def train(cfg: Config, inputs: Inputs, parts: Setup, run_log: RunLog, device: to
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
         examples = prompts_for_step(inputs.source, step, per_rank // G, world)
         prompts = [example["prompt"] for example in examples]
-        prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.max_prompt_length)
+        prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
         seed = step_seed(cfg.seed, step, RANK // tp)
         outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
         with timer("generate"):  # (decoding the texts)
@@ -1156,6 +1246,8 @@ def train(cfg: Config, inputs: Inputs, parts: Setup, run_log: RunLog, device: to
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
         if step == inputs.first_step:
             metrics.update(parts.memory)
+        if ON_GPU:  # this process's peak so far: the trainer's memory and vLLM's pool
+            metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         run_log.log(metrics)
         # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:

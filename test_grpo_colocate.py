@@ -72,7 +72,7 @@ def join_group(rank, world, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
-def tiny_llama_folder(path, dropout=0.0, vocab=64, hidden=32, heads=(4, 2), **kw):
+def tiny_llama_folder(path, dropout=0.0, vocab=64, hidden=32, heads=(4, 2), layers=2, **kw):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -80,7 +80,7 @@ def tiny_llama_folder(path, dropout=0.0, vocab=64, hidden=32, heads=(4, 2), **kw
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=heads[0],
         num_key_value_heads=heads[1],
         attention_dropout=dropout,
@@ -200,31 +200,77 @@ def test_loss_ignores_masked_tokens():
     assert a.item() == b.item()
 
 
-@pytest.mark.parametrize("chunk", [1, g.LOGPROB_CHUNK])
-def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk):
-    """Padding and the prompt/completion boundary: each row equals a forward pass over that row alone; the LM head
-    sees only positions from the shortest prompt's last token on (no logits for the rest of the prompts). The float32
-    pass over the vocabulary a row at a time (chunk 1) or all rows at once."""
+def full_logits_logprobs(model, prompts, comps, temperature):
+    """The log-probs and entropies of each completion as one unpadded forward over its row computes them, from the
+    whole [L, V] logits: the reference for sequence_logprobs (a list of [len(c)] tensors each)."""
+    logps, entropies = [], []
+    for p, c in zip(prompts, comps, strict=True):
+        logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) - 1 + len(c)]  # [len(c), V]
+        logp, entropy = g.token_logprobs(logits, torch.tensor(c), temperature)
+        logps.append(logp)
+        entropies.append(entropy)
+    return logps, entropies
+
+
+@pytest.mark.parametrize(
+    "chunk,calls,widest,tied", [(64, 8, 1, True), (300, 2, 4, False), (g.LOGPROB_CHUNK, 1, 7, True)]
+)
+def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, calls, widest, tied):
+    """Padding and the prompt/completion boundary: each row's log-probs, entropies and their gradients equal a forward
+    pass over that row alone with the whole vocabulary's logits (float32). The LM head runs in a fixed number of
+    chunks set by max_tokens and the vocabulary (64): one position per call, 4 and 3, or all 7 in one; calls with
+    no positions fill the count, and the model's own forward gives the head no positions (no [B, L, V] logits)."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setattr(g, "LOGPROB_CHUNK", chunk)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path, tie_word_embeddings=tied))
+    prompts, comps = [[1, 2, 3], [4, 5], [9, 8, 7, 6]], [[6, 7], [8, 9, 10, 11], [12]]
+    head_rows = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_rows.append(out.shape[:-1].numel()))
+    logp, ent = g.sequence_logprobs(model, prompts, comps, temperature=0.7, device="cpu", pad_id=0, max_tokens=8)
+    hook.remove()
+    # calls: ceil(max_tokens x V / LOGPROB_CHUNK) after the forward's; widest: ceil(7 / calls) positions
+    assert head_rows[0] == 0 and sum(head_rows) == 7 and len(head_rows) == 1 + calls and max(head_rows) == widest
+    assert logp.shape == ent.shape == (3, 4)
+    weights = torch.randn(logp.shape)
+    (logp * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    ref_logp, ref_ent = full_logits_logprobs(model, prompts, comps, 0.7)
+    sum((lp * weights[i, : len(lp)]).sum() for i, lp in enumerate(ref_logp)).backward()
+    for i, c in enumerate(comps):
+        assert logp[i, : len(c)].tolist() == pytest.approx(ref_logp[i].tolist(), abs=1e-5)
+        assert ent[i, : len(c)].tolist() == pytest.approx(ref_ent[i].tolist(), abs=1e-5)
+        assert (logp[i, len(c) :] == 0).all() and (ent[i, len(c) :] == 0).all()
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-5), name
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path)).eval()
-    prompts, comps = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
-    head_positions = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_positions.append(args[0].shape[1]))
-    with torch.no_grad():
-        logp, ent = g.sequence_logprobs(model, prompts, comps, temperature=0.7, device="cpu", pad_id=0)
-        hook.remove()
-        assert head_positions == [6 - 1]  # width 6 (2 + 4); positions 1..5 are scored or padding, 0 is not
-        assert logp.shape == (2, 4)
-        for i, (p, c) in enumerate(zip(prompts, comps, strict=True)):
-            lp = torch.log_softmax(model(torch.tensor([p + c])).logits[0] / 0.7, -1)
-            assert logp[i, : len(c)].tolist() == pytest.approx(
-                [lp[len(p) - 1 + t, tok].item() for t, tok in enumerate(c)], abs=1e-5
-            )
-            assert (logp[i, len(c) :] == 0).all()
-            assert ent[i, 0].item() == pytest.approx(-(lp[len(p) - 1].exp() * lp[len(p) - 1]).sum().item(), abs=1e-5)
+
+def test_the_log_prob_pass_keeps_no_vocabulary_sized_tensor_for_backward(tmp_path):
+    """One micro-batch of 4 completions x 512 tokens at Qwen's vocabulary (151,936) through a one-layer llama: the
+    bytes the autograd graph saves for backward (saved_tensors_hooks). The whole vocabulary's float32 log-softmax,
+    kept for backward, would be 4 x 512 x V x 4 bytes = 1.16 GiB, and its input as much again."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_llama_folder(tmp_path, vocab=151936, hidden=64, tie_word_embeddings=True, layers=1)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 151936, (32,), generator=gen).tolist() for _ in range(4)]
+    comps = [torch.randint(0, 151936, (480,), generator=gen).tolist() for _ in range(4)]
+
+    def saved_bytes(fn):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return sum(sizes) / 2**30
+
+    saved = saved_bytes(lambda: g.sequence_logprobs(model, prompts, comps, 1.0, "cpu", 0, max_tokens=4 * 512))
+    assert saved <= 0.25, saved
 
 
 # ------------------------------------------------------------------------------------------ task, rewards, data
@@ -364,10 +410,10 @@ def test_conversational_prompts_go_through_the_chat_template_as_they_are(tmp_pat
     row = g.prompt_source(g.Config(dataset_name=path, num_eval_prompts=1)).eval_rows[0]
     assert row["prompt"] == chat
     expected = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert g.chat_prompt_ids(tok, row["prompt"]) == list(expected)
+    assert g.encode_prompts(tok, [row["prompt"]], {}) == [list(expected)]
     # plain text is one user turn
-    assert g.chat_prompt_ids(tok, "What is 2 + 3?") == g.chat_prompt_ids(
-        tok, [{"role": "user", "content": "What is 2 + 3?"}]
+    assert g.encode_prompts(tok, ["What is 2 + 3?"], {}) == g.encode_prompts(
+        tok, [[{"role": "user", "content": "What is 2 + 3?"}]], {}
     )
 
 
@@ -480,23 +526,61 @@ def test_a_hub_dataset_is_the_same_load_dataset_call(monkeypatch):
     assert calls == [(("openai/gsm8k", "main"), {"split": "train"})]
 
 
-def test_chat_prompt_is_cut_from_the_left():
-    class Tok:
-        def apply_chat_template(self, messages, **kw):
-            return list(range(100))
-
-    assert g.encode_prompts(Tok(), ["q", "r"], 10) == [list(range(90, 100))] * 2
-    assert g.encode_prompts(Tok(), ["q"], 100) == [list(range(100))]
-
-
-def test_long_prompts_keep_their_end():
+def test_a_prompt_over_max_prompt_length_stops_the_run_at_load_with_one_line(tmp_path):
+    """No prompt is cut: every row of the data, the held-out ones too, is templated and measured in one call when the
+    data is loaded; any over --max_prompt_length stops the run with the count, the longest and the 99th percentile.
+    The built-in task is checked by its eval rows, which span its lengths."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2_path())
-    full = len(g.chat_prompt_ids(tok, "What is 2 + 3?"))
-    ids = g.encode_prompts(tok, ["What is 2 + 3?", "What is 2 + 3? " * 40], full + 5)
-    assert len(ids[0]) == full and len(ids[1]) == full + 5
-    assert ids[1][-6:] == ids[0][-6:]  # the end (question tail + assistant header) survives
+    short = len(g.encode_prompts(tok, ["What is 2 + 3?"], {})[0])
+    rows = [{"prompt": "What is 2 + 3? " * 9, "answer": "5"}] + [{"prompt": "What is 2 + 3?", "answer": "5"}] * 4
+    rows += [{"prompt": "What is 2 + 3? " * 20, "answer": "5"}]  # (a training row)
+    source = g.prompt_source(g.Config(dataset_name=write_dataset(tmp_path / "d.jsonl", rows), num_eval_prompts=1))
+    lengths = [len(ids) for ids in g.encode_prompts(tok, [row["prompt"] for row in rows], {})]
+    cfg = g.Config(max_prompt_length=short + 1)
+    with pytest.raises(g.ConfigError) as e:
+        g.check_prompt_lengths(tok, source, cfg)
+    assert str(e.value) == (
+        f"--max_prompt_length {short + 1}: 2 of 6 prompts are longer once templated (longest {max(lengths)} tokens, "
+        f"99th percentile {max(lengths)}): raise it (it also sizes the KV cache of every sequence) or filter the data"
+    )
+    g.check_prompt_lengths(tok, source, g.Config(max_prompt_length=max(lengths)))
+    task = g.ArithmeticTask(0, 128)
+    task_lengths = [len(ids) for ids in g.encode_prompts(tok, [row["prompt"] for row in task.eval_rows], {})]
+    assert (min(task_lengths), max(task_lengths)) == (115, 137)
+    with pytest.raises(g.ConfigError, match=r"^--max_prompt_length 136: 6 of 128 prompts are longer .*longest 137"):
+        g.check_prompt_lengths(tok, task, g.Config(max_prompt_length=136))
+    g.check_prompt_lengths(tok, task, g.Config(max_prompt_length=137))
+
+
+QWEN3_LIKE_TEMPLATE = (  # Qwen3's switch: an empty thought block in the generation prompt when thinking is off
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_template_and_the_length_check(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path())
+    tok.chat_template = QWEN3_LIKE_TEMPLATE
+    cfg = g.Config(chat_template_kwargs='{"enable_thinking": false}')
+    assert cfg.template_kwargs == {"enable_thinking": False} and g.Config().template_kwargs == {}
+    thinking, not_thinking = (g.encode_prompts(tok, ["Hi"], kw)[0] for kw in ({}, cfg.template_kwargs))
+    assert tok.decode(not_thinking) == tok.decode(thinking) + "<think>\n\n</think>\n\n"
+    task = g.ArithmeticTask(0, 4)
+    longest = max(len(ids) for ids in g.encode_prompts(tok, [row["prompt"] for row in task.eval_rows], {}))
+    g.check_prompt_lengths(tok, task, g.Config(max_prompt_length=longest))
+    with pytest.raises(g.ConfigError, match="^--max_prompt_length"):  # the check templates as the loop does
+        g.check_prompt_lengths(
+            tok, task, g.Config(max_prompt_length=longest, chat_template_kwargs=cfg.chat_template_kwargs)
+        )
+    for bad in ["nope", "[1]", '{"enable_thinking": false']:
+        with pytest.raises(g.ConfigError, match=f"^--chat_template_kwargs {re.escape(bad)}: must be a JSON object$"):
+            g.check_options(g.Config(chat_template_kwargs=bad), 1)
+    g.check_options(cfg, 1)
 
 
 def rollouts(texts, rows, completions=None):
@@ -850,11 +934,11 @@ def test_trl_peer_trains_on_our_rows_as_they_are(monkeypatch):
     monkeypatch.undo()  # (the real offline_model.build again)
     tok = AutoTokenizer.from_pretrained(smollm2_path())
     for i in (0, 1, 15):
-        # TRL puts a conversational prompt through the template with the generation prompt, as chat_prompt_ids does
+        # TRL puts a conversational prompt through the template with the generation prompt, as encode_prompts does
         trl_ids = tok.apply_chat_template(
             dataset[i]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
-        assert list(trl_ids) == g.chat_prompt_ids(tok, task[i]["prompt"])
+        assert [list(trl_ids)] == g.encode_prompts(tok, [task[i]["prompt"]], {})
 
 
 def test_trl_peer_scores_with_our_rewards_and_weights(monkeypatch):
@@ -945,8 +1029,8 @@ def _eval_worker(rank, world, port, tp, num_rows, q):
     group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None
 
     class CharTokenizer:  # a character per token, no chat template around the question
-        def apply_chat_template(self, messages, **kw):
-            return [ord(c) for c in messages[-1]["content"]]
+        def apply_chat_template(self, conversations, **kw):
+            return [[ord(c) for c in messages[-1]["content"]] for messages in conversations]
 
         def batch_decode(self, sequences, **kw):
             return ["".join(map(chr, ids)) for ids in sequences]

@@ -76,7 +76,7 @@ def main() -> None:
     llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, dtype)
     tokenizer = inputs.tokenizer
     examples = g.prompts_for_step(source, args.step, per_rank // G, world)
-    prompt_ids = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.max_prompt_length)
+    prompt_ids = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.template_kwargs)
     sampling = g.sampling_params(G, cfg.temperature, cfg.max_completion_length)
     variants = json.loads(args.variants)
     seed = g.step_seed(cfg.seed, args.step, g.RANK // tp)  # as in grpo_colocate.train

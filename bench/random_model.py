@@ -1,8 +1,11 @@
-"""A random-weight llama with SmolLM2's tokenizer and chat template, shaped like a 1.5B or 7B model: for timing and
-memory runs (bench/README.md), not learning. Random weights almost never sample EOS, so every completion runs to
-max_completion_length and every step does the same work.
+"""A random-weight llama with SmolLM2's tokenizer and chat template, shaped like a 1.5B, 3B or 7B model: for timing
+and memory runs (bench/README.md), not learning. Random weights almost never sample EOS, so every completion runs to
+max_completion_length and every step does the same work. The vocabulary is the tokenizer's (49,152) unless the shape
+gives its own: `1.5b-qwen` has Qwen2.5's 151,936 rows, so that the logits, the log-prob pass and the sampler cost what
+they cost at the users' scale; ids past the tokenizer's decode to nothing.
 
     python bench/random_model.py /tmp/random-1.5b 1.5b     # 1.39B params: 28 layers, hidden 1536, 12 / 2 heads
+    python bench/random_model.py /tmp/random-1.5b-qwen 1.5b-qwen  # 1.54B params: the same with 151,936 tokens
     python bench/random_model.py /tmp/random-3b 3b         # 3.1B params: 36 layers, hidden 2048, 16 / 2 heads
     python bench/random_model.py /tmp/random-7b 7b         # 6.9B params: 28 layers, hidden 3584, 28 / 4 heads
     python bench/random_model.py /tmp/tiny8 tiny8          # 13M params: 2 layers, hidden 256, 8 / 8 heads
@@ -18,7 +21,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offline_model  # noqa: E402 (from the folder above, put on sys.path just above; the default model's tokenizer)
 
-SHAPES = {  # Qwen2.5-1.5B / -3B / -7B layer shapes; the vocabulary is SmolLM2's
+SHAPES = {  # Qwen2.5-1.5B / -3B / -7B layer shapes; the vocabulary is SmolLM2's where the shape gives none
     "1.5b": dict(
         hidden_size=1536,
         intermediate_size=8960,
@@ -26,6 +29,15 @@ SHAPES = {  # Qwen2.5-1.5B / -3B / -7B layer shapes; the vocabulary is SmolLM2's
         num_attention_heads=12,
         num_key_value_heads=2,
         tie_word_embeddings=True,
+    ),
+    "1.5b-qwen": dict(  # (Qwen2.5's qkv biases left out: a llama, as the others)
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        vocab_size=151936,
     ),
     "3b": dict(
         hidden_size=2048,
@@ -56,13 +68,13 @@ SHAPES = {  # Qwen2.5-1.5B / -3B / -7B layer shapes; the vocabulary is SmolLM2's
 if __name__ == "__main__":
     out, size = sys.argv[1], sys.argv[2]
     tokenizer = AutoTokenizer.from_pretrained(offline_model.build())
+    shape = {"vocab_size": len(tokenizer), **SHAPES[size]}  # the shape's own vocabulary wins
     cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=4096,
+        max_position_embeddings=4096,  # prompt (<= 256) + completions up to 2,048 tokens and more
         rope_theta=1e5,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **SHAPES[size],
+        **shape,
     )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

@@ -1,7 +1,8 @@
 """A run's step time split as the READMEs' tables give it, from its metrics.jsonl: the median over steps 1..N-1 (step
 0 warms up: CUDA graphs, the first wake) of time/step and of its phases -- gen = time/generate + time/exchange, co-loc
 = time/wake + time/push + time/sleep (the price of co-location), train = time/train -- with samples/s, tok/s, the
-co-location share of the step, the generation rate, the weight-sync check and vLLM's memory awake / asleep.
+co-location share of the step, the generation rate, the weight-sync check, vLLM's memory awake / asleep and the
+run's peak torch.cuda.max_memory_reserved() (memory/max_reserved_gib, rank 0's; runs that log it).
 
     python bench/step_split.py runs/grpo "runs/1 H200"        # run folders (output_dir) or metrics.jsonl files
 
@@ -46,6 +47,10 @@ def split(rows: list[dict]) -> dict:
         "logp_diff_max": max(r["sampling/logp_diff_max"] for r in steps),
         "vllm_awake_gib": steps[0].get("memory/vllm_awake_gib"),
         "vllm_asleep_gib": steps[0].get("memory/vllm_asleep_gib"),
+        # the peak so far at each step: the run's peak is the largest (older runs log none)
+        "max_memory_reserved_gib": max(
+            (r["memory/max_reserved_gib"] for r in steps if "memory/max_reserved_gib" in r), default=None
+        ),
         "eval_accuracy": (evals[0], evals[-1], max(evals)) if evals else None,
     }
 
@@ -64,6 +69,8 @@ def main() -> None:
         mem = ""
         if s["vllm_awake_gib"]:
             mem = f", vLLM {s['vllm_awake_gib']:.2f} GiB awake / {s['vllm_asleep_gib']:.2f} asleep"
+        if s["max_memory_reserved_gib"] is not None:
+            mem += f", max_memory_reserved {s['max_memory_reserved_gib']:.2f} GiB"
         ev = ""
         if s["eval_accuracy"]:
             ev = ", eval accuracy {:.3f} -> {:.3f} (max {:.3f})".format(*s["eval_accuracy"])

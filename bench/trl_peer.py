@@ -17,7 +17,9 @@ env: MODEL (default: the offline copy of SmolLM2-135M-Instruct that offline_mode
 STEPS, BS (completions per micro-batch), GAS, G, MAXTOK, LR (1e-5), MODE (colocate|server), DS (1: ZeRO-3), SLEEP
 (1), GC (0: gradient checkpointing), OUTJ (append the result line to this file).
 Prints one line `TRLPEER {json}`: the seconds of steps 2..N (each optimizer step = one generation round; a
-callback stamps the end of each step, so step 1 has no start) and their median without step 2, as samples/s.
+callback stamps the end of each step, so step 1 has no start) and their median without step 2, as samples/s, and
+rank 0's peak torch.cuda.max_memory_reserved() in GiB (max_memory_reserved_gib). A run that raises (CUDA out of
+memory) prints `TRLPEER {json}` with `error`, its steps done and that peak, then raises on.
 Importing it needs no TRL and builds nothing: peer_rows(n) and peer_reward_funcs() are what main() hands TRL."""
 
 import dataclasses
@@ -54,6 +56,12 @@ def peer_reward_funcs() -> list[tuple]:
         (fn, g.DEFAULT_REWARD_WEIGHTS.get(name, 1.0))
         for name, fn in [("correctness", g.correctness_reward), ("format", g.format_reward)]
     ]
+
+
+def max_memory_reserved_gib() -> float | None:
+    """This process's peak of torch's reserved GPU memory (the trainer's and, in colocate mode, vLLM's pool), as
+    grpo_colocate.py logs it in memory/max_reserved_gib; None on CPU."""
+    return round(torch.cuda.max_memory_reserved() / 2**30, 2) if torch.cuda.is_available() else None
 
 
 class StepClock(TrainerCallback):
@@ -123,7 +131,14 @@ def main() -> None:
         callbacks=[clock],
     )
     t0 = time.perf_counter()
-    tr.train()
+    try:
+        tr.train()
+    except Exception as e:
+        # at the users' scale a side may run out of memory: bench/vs_trl.py still shows how far it got and its peak
+        if tr.accelerator.is_main_process:
+            failed = dict(error=f"{type(e).__name__}: {e}"[:500], steps_done=len(clock.t))
+            print("TRLPEER", json.dumps({**failed, "max_memory_reserved_gib": max_memory_reserved_gib()}), flush=True)
+        raise
     wall = time.perf_counter() - t0
     if tr.accelerator.is_main_process:
         d = [b - a for a, b in zip(clock.t, clock.t[1:], strict=False)]
@@ -145,6 +160,7 @@ def main() -> None:
             step_s=[round(x, 3) for x in d],
             median_step_s=round(med, 3),
             samples_per_s=round(samples / med, 2),
+            max_memory_reserved_gib=max_memory_reserved_gib(),
         )
         logs = [h for h in tr.state.log_history if "loss" in h]
         if logs:

@@ -1,7 +1,9 @@
 """Ours vs TRL colocate on the same GPUs, in turn (ours, TRL, ours, TRL, ...): a row of the README's "Ours vs TRL"
 table as one command. Each round runs grpo_colocate.py with the options given, then bench/trl_peer.py with the same
 model, steps, batch, group size, completion length, learning rate and gradient checkpointing (the rest: the script's
-defaults). Ours: the median over steps 1..N-1 (bench/step_split.py); TRL: over its 3rd to last step.
+defaults). Ours: the median over steps 1..N-1 (bench/step_split.py); TRL: over its 3rd to last step. Each side's
+peak GPU memory is torch.cuda.max_memory_reserved() of its rank 0 over the run (max_memory_reserved): ours' from its
+metrics (memory/max_reserved_gib), TRL's from its TRLPEER line.
 
     python bench/vs_trl.py --rounds 2 -- --model /tmp/random-1.5b --max_steps 8 --per_device_train_batch_size 32 \\
         --gradient_accumulation_steps 2 --max_completion_length 256 --eval_steps 0
@@ -9,7 +11,9 @@ defaults). Ours: the median over steps 1..N-1 (bench/step_split.py); TRL: over i
     python bench/vs_trl.py --dry_run -- --max_steps 8           # print the two commands, run nothing
 
 An option of ours that the peer does not mirror is refused (status 2). Without --model both sides run the offline
-default model. TRL needs `pip install trl==1.16.0 datasets`. Prints a line per run and `VSTRL {json}`.
+default model. TRL needs `pip install trl==1.16.0 datasets`. Prints a line per run and `VSTRL {json}`. A run that
+fails (CUDA out of memory) is shown with its error, its steps done and its peak where it logged one, the rounds go on,
+the ratio is over the rounds where both sides finished, and the exit status is 1.
 """
 
 import argparse
@@ -69,16 +73,34 @@ def commands(
 
 
 def summary(ours: list[dict], trl: list[dict]) -> dict:
-    """Per round and over rounds: ours' split (step_split.split) against TRL's TRLPEER figures."""
+    """Per round and over rounds: ours' split (step_split.split) against TRL's TRLPEER figures, each side's peak
+    memory; a failed run (`error`) gives its error instead of its figures, and the medians and ratio are over the
+    rounds where both sides finished (none such: no ratio)."""
     rounds = []
     for o, t in zip(ours, trl, strict=True):
-        r = dict(ours_step_s=o["step_s"], ours_gen_coloc_train_s=[o["gen_s"], o["coloc_s"], o["train_s"]])
-        r.update(ours_samples_per_s=o["samples_per_sec"], ours_coloc_share=o["coloc_share"])
-        r.update(trl_step_s=t["median_step_s"], trl_samples_per_s=t["samples_per_s"])
-        rounds.append({**r, "ours_over_trl": o["samples_per_sec"] / t["samples_per_s"]})
-    ours_median = statistics.median(r["ours_samples_per_s"] for r in rounds)
-    trl_median = statistics.median(r["trl_samples_per_s"] for r in rounds)
-    ratios = [r["ours_over_trl"] for r in rounds]
+        r = {}
+        if "error" in o:
+            r.update(ours_error=o["error"], ours_steps_done=o.get("steps"))
+        else:
+            r.update(ours_step_s=o["step_s"], ours_gen_coloc_train_s=[o["gen_s"], o["coloc_s"], o["train_s"]])
+            r.update(ours_samples_per_s=o["samples_per_sec"], ours_coloc_share=o["coloc_share"])
+        if "error" in t:
+            r.update(trl_error=t["error"], trl_steps_done=t.get("steps_done"))
+        else:
+            r.update(trl_step_s=t["median_step_s"], trl_samples_per_s=t["samples_per_s"])
+        if "error" not in o and "error" not in t:
+            r["ours_over_trl"] = o["samples_per_sec"] / t["samples_per_s"]
+        r.update(
+            ours_max_memory_reserved_gib=o.get("max_memory_reserved_gib"),
+            trl_max_memory_reserved_gib=t.get("max_memory_reserved_gib"),
+        )
+        rounds.append(r)
+    done = [r for r in rounds if "ours_over_trl" in r]
+    if not done:
+        return {"rounds": rounds}
+    ours_median = statistics.median(r["ours_samples_per_s"] for r in done)
+    trl_median = statistics.median(r["trl_samples_per_s"] for r in done)
+    ratios = [r["ours_over_trl"] for r in done]
     return {
         "rounds": rounds,
         "ours_samples_per_s": ours_median,
@@ -88,15 +110,51 @@ def summary(ours: list[dict], trl: list[dict]) -> dict:
     }
 
 
-def run_logged(cmd: list[str], env: dict, log: str) -> str:
-    """Run to the end with its output in `log`; on failure print the end of the log and stop."""
+def error_line(text: str) -> str:
+    """The line of a failed run's log that says why: CUDA's out-of-memory message (with the sizes) where there is one,
+    else the first line naming an error."""
+    lines = [ln.strip() for ln in text.splitlines() if "Error" in ln or "out of memory" in ln.lower()]
+    oom = [ln for ln in lines if "out of memory" in ln.lower()]
+    return (oom or lines or ["(no error line in the log)"])[0][:500]
+
+
+def ours_result(rc: int, text: str, metrics: str) -> dict:
+    """Ours' figures (step_split.split with its peak memory), or, for a failed run, its error, steps done and the
+    peak of the steps it logged."""
+    rows = read_rows(metrics) if os.path.isfile(metrics) else []
+    if rc == 0:
+        return split(rows)
+    steps = [r for r in rows if "time/step" in r]
+    peaks = [r["memory/max_reserved_gib"] for r in steps if "memory/max_reserved_gib" in r]
+    return dict(
+        error=f"status {rc}: {error_line(text)}", steps=len(steps), max_memory_reserved_gib=max(peaks, default=None)
+    )
+
+
+def trl_result(rc: int, text: str, log: str) -> dict:
+    """TRL's TRLPEER figures; for a failed run its own TRLPEER line (error, steps done, peak) where it printed one."""
+    line = next((ln for ln in text.splitlines() if ln.startswith("TRLPEER ")), None)
+    t = json.loads(line[len("TRLPEER ") :]) if line else {}
+    if rc != 0 or line is None:
+        why = t.get("error") or (error_line(text) if rc != 0 else f"no TRLPEER line in {log}")
+        t = {**t, "error": f"status {rc}: {why}"}
+    return t
+
+
+def gib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} GiB"
+
+
+def run_logged(cmd: list[str], env: dict, log: str) -> tuple[int, str]:
+    """Run to the end with its output in `log`: its status and the log; on failure the end of the log goes to stderr
+    (the caller goes on: the other side's figures are still wanted)."""
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT).returncode
     text = Path(log).read_text()
     if rc != 0:
         print(text[-3000:], file=sys.stderr)
-        fail(f"{shlex.join(cmd)} exited with status {rc} (log: {log})", 1)
-    return text
+        print(f"error: {shlex.join(cmd)} exited with status {rc} (log: {log})", file=sys.stderr, flush=True)
+    return rc, text
 
 
 def main() -> None:
@@ -126,24 +184,37 @@ def main() -> None:
         if "model" not in given_options(ours_args):
             offline_model.build()  # once, before either side's ranks look for it
         shutil.rmtree(os.path.join(args.out, f"ours-{r}"), ignore_errors=True)  # (an earlier call's, of any config)
-        run_logged(ours, {}, os.path.join(args.out, f"ours-{r}.log"))
-        s = split(read_rows(os.path.join(args.out, f"ours-{r}", "metrics.jsonl")))
+        rc, text = run_logged(ours, {}, os.path.join(args.out, f"ours-{r}.log"))
+        s = ours_result(rc, text, os.path.join(args.out, f"ours-{r}", "metrics.jsonl"))
         ours_runs.append(s)
-        split_s = f"{s['gen_s']:.3f} / {s['coloc_s']:.3f} / {s['train_s']:.3f}"
-        print(f"round {r + 1} ours: {s['step_s']:.3f} s/step ({split_s}), {s['samples_per_sec']:.1f} samples/s")
-        text = run_logged(trl, env, os.path.join(args.out, f"trl-{r}.log"))
-        line = next((ln for ln in text.splitlines() if ln.startswith("TRLPEER ")), None)
-        if line is None:
-            fail(f"no TRLPEER line in {os.path.join(args.out, f'trl-{r}.log')}", 1)
-        t = json.loads(line[len("TRLPEER ") :])
+        peak = f"max_memory_reserved {gib(s['max_memory_reserved_gib'])}"
+        if "error" in s:
+            print(f"round {r + 1} ours: failed after {s['steps']} steps, {peak}: {s['error']}", flush=True)
+        else:
+            split_s = f"{s['gen_s']:.3f} / {s['coloc_s']:.3f} / {s['train_s']:.3f}"
+            rate = f"{s['samples_per_sec']:.1f} samples/s"
+            print(f"round {r + 1} ours: {s['step_s']:.3f} s/step ({split_s}), {rate}, {peak}", flush=True)
+        log = os.path.join(args.out, f"trl-{r}.log")
+        t = trl_result(*run_logged(trl, env, log), log)
         trl_runs.append(t)
-        print(f"round {r + 1} TRL:  {t['median_step_s']:.3f} s/step, {t['samples_per_s']:.1f} samples/s", flush=True)
+        peak = f"max_memory_reserved {gib(t.get('max_memory_reserved_gib'))}"
+        if "error" in t:
+            print(
+                f"round {r + 1} TRL:  failed after {t.get('steps_done', '?')} steps, {peak}: {t['error']}", flush=True
+            )
+        else:
+            rate = f"{t['samples_per_s']:.1f} samples/s"
+            print(f"round {r + 1} TRL:  {t['median_step_s']:.3f} s/step, {rate}, {peak}", flush=True)
     s = summary(ours_runs, trl_runs)
-    print("VSTRL", json.dumps(s))
-    low, high = s["ours_over_trl_range"]
-    print(
-        f"ours / TRL {s['ours_over_trl']:.2f}x in samples/s (medians over {args.rounds} rounds; {low:.2f}-{high:.2f}x)"
-    )
+    print("VSTRL", json.dumps(s), flush=True)
+    done = sum("ours_over_trl" in r for r in s["rounds"])
+    if done:
+        low, high = s["ours_over_trl_range"]
+        print(f"ours / TRL {s['ours_over_trl']:.2f}x in samples/s (medians over {done} rounds; {low:.2f}-{high:.2f}x)")
+    else:
+        print("ours / TRL: no round where both sides finished")
+    if done < args.rounds:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
