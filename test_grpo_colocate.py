@@ -1518,10 +1518,17 @@ def _zero3_worker(rank, world, port, model, q):
     adv, trunc = torch.randn(len(comps), generator=gen), [len(c) == T for c in comps]
     mine, out = slice(rank * per_rank, (rank + 1) * per_rank), []
     # ds_zero3.json keeps parameters under 1e7 elements whole (all of this tiny model's layers): once as the file says,
-    # then with a threshold of 0, every parameter partitioned and gathered a leaf (decoder layer) at a time
-    cases = [("dapo", 1, None)] + [(t, 1, 0) for t in ("grpo", "dr_grpo", "dapo")] + [("dapo", 2, 0)]
-    for loss_type, iters, persist in cases:
+    # then with a threshold of 0, every parameter partitioned and gathered a leaf (decoder layer) at a time; the last
+    # case with gradient checkpointing and the LM head (tied) in 12 chunks of 0-2 positions per micro-batch (3 x 6
+    # tokens at most, 64 logits each), whatever each rank's own completion lengths
+    cases = (
+        [("dapo", 1, None, False)] + [(t, 1, 0, False) for t in ("grpo", "dr_grpo", "dapo")] + [("dapo", 2, 0, True)]
+    )
+    default_chunk = g.LOGPROB_CHUNK
+    for loss_type, iters, persist, small_chunks in cases:
+        g.LOGPROB_CHUNK = 100 if small_chunks else default_chunk
         cfg = g.Config(
+            gradient_checkpointing=small_chunks,
             per_device_train_batch_size=3,
             gradient_accumulation_steps=2,
             num_generations=2,
@@ -1551,7 +1558,7 @@ def _zero3_worker(rank, world, port, model, q):
         stats = g.Stats()
         g.train_on_rollouts(engine, None, r, adv[mine], cfg, torch.device("cpu"), 0, stats)
         ref = AutoModelForCausalLM.from_pretrained(model).eval()  # the same weights; eval(): no dropout by definition
-        logp, _ = g.sequence_logprobs(ref, prompts, comps, 1.0, "cpu", 0)
+        logp = torch.nn.utils.rnn.pad_sequence(full_logits_logprobs(ref, prompts, comps, 1.0)[0], batch_first=True)
         live = (torch.arange(logp.shape[1])[None] < torch.tensor([len(c) for c in comps])[:, None]).float()
         isw = g.importance_weights(
             logp.detach(), torch.nn.utils.rnn.pad_sequence([torch.tensor(v) for v in vllm], batch_first=True), 3.0
@@ -1640,12 +1647,14 @@ def test_a_resumed_run_trains_at_its_own_learning_rate(tmp_path):
 def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
     """The loss denominators (dapo: global tokens / world; grpo, dr_grpo: sequences per rank; scale_wrt_gas=False)
     make DeepSpeed's rank-averaged, micro-batch-summed gradient the gradient of the whole global batch's loss, for
-    every loss type. The model's config has attention dropout 0.5: build_trainer must switch
-    it off (vLLM samples without dropout), or these gradients would not match; each decoder layer is a ZeRO-3 leaf;
-    parameters kept whole (ds_zero3.json's persistence threshold) or all partitioned. Then the weight push's bucketed
+    every loss type, against a plain forward with the whole vocabulary's logits. The model's config has attention
+    dropout 0.5: build_trainer must switch it off (vLLM samples without dropout), or these gradients would not match;
+    each decoder layer is a ZeRO-3 leaf; parameters kept whole (ds_zero3.json's persistence threshold) or all
+    partitioned; the LM head tied, and once in small chunks (the same number of calls on both ranks, whose lengths
+    differ) with gradient checkpointing. Then the weight push's bucketed
     gather: the same tensors as one parameter at a time, in a few all-gathers, none much larger than its bucket; and
     the parameters kept whole stay whole through it."""
-    model = tiny_llama_folder(tmp_path / "model", dropout=0.5)
+    model = tiny_llama_folder(tmp_path / "model", dropout=0.5, tie_word_embeddings=True)
     for out in run_workers(_zero3_worker, 2, model, timeout=600).values():
         assert len(out) == 8
         n_whole, still_whole, same_values = out.pop()
@@ -1656,7 +1665,7 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
         n_params, n_buckets, bounded, same = (
             out.pop()
         )  # the weight push's gather, in buckets of a quarter of the model
-        assert n_params > 20 and 4 <= n_buckets <= 5 and bounded and same
+        assert n_params == 20 and 4 <= n_buckets <= 5 and bounded and same  # (the tied LM head is the embedding)
         assert out[0][-1] > 0.5 and all(
             persisted == 0 for *_, persisted in out[1:]
         )  # the file's threshold, then none kept whole
@@ -1674,10 +1683,10 @@ def _reference_once_worker(rank, world, port, model, q):
     class Engine(torch.nn.Module):
         def __init__(self, m):
             super().__init__()
-            self.m, self.steps = m, 0
+            self.module, self.steps = m, 0
 
         def forward(self, **kw):
-            return self.m(**kw)
+            return self.module(**kw)
 
         def backward(self, loss, scale_wrt_gas):
             loss.backward()
