@@ -13,14 +13,7 @@ trainer, and the two take turns. One step of `train`:
 The trainer's log-probs of the sampled tokens are compared with vLLM's every step (sampling/logp_diff_*): stale
 weights in vLLM show there.
 
-Deviations from the paper, and from TRL 1.16's defaults:
-  1. no KL term by default (beta=0, as TRL);
-  2. `dapo` loss normalisation by default (TRL's);
-  3. per-token importance weights min(exp(logp_trainer - logp_vllm), cap): TRL's `token_truncate`, not its default
-     `sequence_mask`;
-  4. a prompt's G completions are generated and trained on one rank (TRL spreads them);
-  5. a sample that no reward function scores (all return None) is left out of its group, advantage 0 (TRL: reward 0);
-  6. constant learning rate; AdamW beta2 0.99 in ds_zero3.json (TRL: 0.999).
+Where this differs from the paper and from TRL 1.16's GRPOTrainer: README.md, "Deviations from TRL".
 
 Launch (`bash run.sh` installs the environment, builds an offline copy of the default model and does this; add
 --save_steps 50, and after a stop or a crash --resume latest):
@@ -598,8 +591,8 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
 
     A completion's advantage is its reward minus its group's mean, divided by the group's std (+ 1e-4) when scale is
     "group" (the unbiased std, as TRL). A NaN reward (no reward function could score the sample) takes no part in its
-    group's mean and std, and its advantage is 0: scoring it 0 (as TRL) would push the model away from what the rewards
-    could not judge."""
+    group's mean and std, and its advantage is 0 (as TRL 1.16's nanmean / nanstd): scoring it 0 would push the model
+    away from what the rewards could not judge."""
     grouped = rewards.view(-1, num_generations)  # [B / G, G]
     count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # [B / G, 1] the scored samples of each group
     mean = grouped.nansum(dim=1, keepdim=True) / count  # [B / G, 1]
@@ -853,8 +846,8 @@ def make_room_for_wake(wake_bytes: int) -> None:
         torch.cuda.empty_cache()
 
 
-def push_weights_to_vllm(llm, model, sleep_mode: bool, timer=None, wake_bytes: int = 0) -> None:
-    """Make vLLM sample from the weights just trained.
+def push_weights_to_vllm(llm, model, sleep_mode: bool, timer=None, wake_bytes: int = 0) -> set[str]:
+    """Make vLLM sample from the weights just trained; returns the names of the engine's parameters it loaded.
 
     Level-2 sleep discarded vLLM's weights, so: wake the weight memory, stream the trained parameters in, wake the KV
     cache, drop the cached prefixes (computed with the old weights). Never call reload_weights WITHOUT weights: that
@@ -868,18 +861,49 @@ def push_weights_to_vllm(llm, model, sleep_mode: bool, timer=None, wake_bytes: i
     with timer("push"):
         weights = gathered_params(model)  # checkpoint-format tensors: vLLM fuses qkv / gate-up and cuts its TP shard
         if ON_GPU:  # the model's own loader copies them into the engine's (unquantized) tensors in place
-            llm.apply_model(lambda vllm_model: vllm_model.load_weights(weights))
-        else:  # vLLM's CPU backend packs linear weights: its layer-wise reload packs them again
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-            # ... except the tied lm_head, which keeps a stale packed copy unless it is packed anew
-            llm.apply_model(lambda vllm_model: dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False))
+            (loaded,) = llm.apply_model(lambda vllm_model: vllm_model.load_weights(weights))  # (one engine here)
+        else:
+            loaded = reload_weights_on_cpu(llm, weights)
     if sleep_mode:
         with timer("wake"):
             make_room_for_wake(wake_bytes)  # the gather's buffers are in torch's cache now
             llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
+    return set(loaded)
+
+
+def reload_weights_on_cpu(llm, weights) -> set[str]:
+    """vLLM's CPU backend packs linear weights for its kernels: its layer-wise reload_weights packs them again. It
+    returns nothing, so the names its model's load_weights loaded are recorded on the way."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
+    load = vllm_model.load_weights
+    loaded = set()
+
+    def recording_load(named_weights):
+        names = load(named_weights)
+        loaded.update(names)
+        return names
+
+    with mock.patch.object(vllm_model, "load_weights", recording_load):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    # ... except the tied lm_head, which keeps a stale packed copy unless it is packed anew
+    dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False)
+    return loaded
+
+
+def check_push_loaded_everything(llm, loaded: set[str]) -> None:
+    """Every parameter of the engine must come from the push: after level-2 sleep, one it skips holds whatever the
+    woken memory holds, and only logp_diff would show it. (A tied lm_head is the embedding: vLLM lists it once.)"""
+    (engine_params,) = llm.apply_model(lambda vllm_model: {name for name, _ in vllm_model.named_parameters()})
+    unloaded = sorted(engine_params - loaded)
+    if unloaded:
+        raise ConfigError(
+            f"the weight push left {len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded "
+            f"({', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''}): vLLM's load_weights did not map the "
+            "trainer's parameters onto them"
+        )
 
 
 def sleep_vllm(llm) -> None:
@@ -1207,7 +1231,14 @@ def train(cfg: Config, inputs: Inputs, parts: Setup, run_log: RunLog, device: to
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
-        push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode, timer, parts.wake_bytes)
+        if step == inputs.first_step:  # the names never change: the first push shows that every weight arrives
+            with loading("model", cfg.model):  # (vLLM's loader refusing a name of the trainer's model: one line)
+                loaded = push_weights_to_vllm(
+                    parts.llm, parts.engine.module, parts.sleep_mode, timer, parts.wake_bytes
+                )
+            check_push_loaded_everything(parts.llm, loaded)
+        else:
+            push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode, timer, parts.wake_bytes)
         metrics = {"step": step}
         with timer("eval"):
             if eval_due(cfg, step):

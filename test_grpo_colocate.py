@@ -1100,26 +1100,30 @@ def test_kv_cache_holds_one_step_batch_by_hand(tmp_path):
 def test_weight_push_order(monkeypatch):
     """The sequence that makes a level-2-asleep engine sample from the weights just trained: wake the weight memory,
     stream every parameter (never a reload from disk: on GPU into the model's load_weights, on CPU into the layer-wise
-    reload_weights that repacks them), free the gather buffers, wake the KV cache, drop old prefixes."""
+    reload_weights that repacks them), free the gather buffers, wake the KV cache, drop old prefixes. The push
+    returns the names the model's load_weights loaded (on CPU, caught inside reload_weights)."""
     calls = []
 
     class FakeLLM:
         def wake_up(self, tags):
             calls.append(f"wake_up {tags[0]}")
 
-        def collective_rpc(self, method, kwargs=None):
+        def collective_rpc(self, method, kwargs=None):  # vLLM's layer-wise reload calls the model's load_weights
             assert kwargs and kwargs["is_checkpoint_format"], (
                 "reload_weights without weights reloads the checkpoint from disk"
             )
-            calls.append(f"{method} {len(list(kwargs['weights_iterator']))} tensors")
+            calls.append(method)
+            self.load_weights(kwargs["weights_iterator"])
 
         lm_head = "the tied lm_head"
 
-        def apply_model(self, fn):  # the engine runs fn on its model: here the fake is the model too
-            return fn(self)
+        def apply_model(self, fn):  # each engine (here one) runs fn on its model: here the fake is the model too
+            return [fn(self)]
 
         def load_weights(self, weights):
-            calls.append(f"load_weights {len(list(weights))} tensors")
+            names = {name for name, _ in weights}
+            calls.append(f"load_weights {len(names)} tensors")
+            return names
 
         def reset_prefix_cache(self):
             calls.append("reset_prefix_cache")
@@ -1135,7 +1139,8 @@ def test_weight_push_order(monkeypatch):
     monkeypatch.setattr(g, "ON_GPU", True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * 2**30, 80 * 2**30))  # 10 GiB free
-    g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True, wake_bytes=12 * 2**30)  # vLLM needs more than is free
+    loaded = g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=True, wake_bytes=12 * 2**30)  # more than is free
+    assert loaded == {name for name, _ in model.named_parameters()}
     assert calls == [
         "empty_cache",
         "wake_up weights",
@@ -1149,8 +1154,44 @@ def test_weight_push_order(monkeypatch):
     assert calls == ["wake_up weights", "load_weights 4 tensors", "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()
     monkeypatch.setattr(g, "ON_GPU", False)
-    g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=False)  # CPU: no sleep mode; the tied lm_head is repacked
-    assert calls == ["reload_weights 4 tensors", "repack the tied lm_head, remove_weight=False", "reset_prefix_cache"]
+    loaded = g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=False)  # CPU: no sleep; the tied lm_head repacked
+    assert loaded == {name for name, _ in model.named_parameters()}
+    assert calls == [
+        "reload_weights",
+        "load_weights 4 tensors",
+        "repack the tied lm_head, remove_weight=False",
+        "reset_prefix_cache",
+    ]
+
+
+def test_the_first_push_must_load_every_parameter_of_the_engine():
+    """The names vLLM's loader returns against the engine model's parameters; a tied lm_head is the embedding's
+    parameter in vLLM (listed once), not a gap."""
+
+    class VllmModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(8, 4)
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight  # tied
+
+    class Engine:
+        def apply_model(self, fn):
+            return [fn(VllmModel())]
+
+    every = {"embed_tokens.weight", "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"}
+    g.check_push_loaded_everything(Engine(), every)
+    for loaded, gap in [
+        (every - {"layers.1.bias"}, "1 of vLLM's 5 parameters unloaded (layers.1.bias)"),
+        (
+            {"layers.0.weight"},
+            "4 of vLLM's 5 parameters unloaded (embed_tokens.weight, layers.0.bias, layers.1.bias, ...)",
+        ),
+    ]:
+        with pytest.raises(g.ConfigError) as e:
+            g.check_push_loaded_everything(Engine(), loaded)
+        assert str(e.value).startswith(f"the weight push left {gap}: "), str(e.value)
 
 
 def test_sleep_keeps_torch_cache_for_the_trainer(monkeypatch):
@@ -1874,13 +1915,13 @@ import os, sys
 sys.path.insert(0, {here!r})
 import torch
 import grpo_colocate as g
-pushes, push, grpo_loss = [], g.push_weights_to_vllm, g.grpo_loss
+pushes, push, grpo_loss, check = [], g.push_weights_to_vllm, g.grpo_loss, g.check_push_loaded_everything
 
 def faulty_push(llm, model, sleep_mode, timer=None, wake_bytes=0):
     pushes.append(1)
     if len(pushes) - 1 == 1:  # step 1: no push at all; the engine keeps the weights it had
-        return
-    push(llm, model, sleep_mode, timer, wake_bytes)
+        return set()
+    loaded = push(llm, model, sleep_mode, timer, wake_bytes)
     # step 2: a push, then reload_weights with no weights: it reloads the checkpoint from disk
     if len(pushes) - 1 == 2:
         llm.collective_rpc("reload_weights")
@@ -1888,13 +1929,21 @@ def faulty_push(llm, model, sleep_mode, timer=None, wake_bytes=0):
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
             llm.apply_model(lambda m: dispatch_cpu_unquantized_gemm(m.lm_head, remove_weight=False))
         llm.reset_prefix_cache()
+    return loaded
+
+def check_with_a_gap_first(llm, loaded):  # step 0: the names vLLM loaded less one, then all of them
+    try:
+        check(llm, loaded - {{sorted(loaded)[-1]}})
+    except g.ConfigError as e:
+        print(f"negative control: {{e}}", flush=True)
+    check(llm, loaded)
 
 def nan_loss(*args, **kwargs):  # step 3, last rank only: a NaN loss
     loss, stats = grpo_loss(*args, **kwargs)
     nan = len(pushes) - 1 == 3 and g.RANK == int(os.environ["WORLD_SIZE"]) - 1
     return (loss * float("nan") if nan else loss), stats
 
-g.push_weights_to_vllm, g.grpo_loss = faulty_push, nan_loss
+g.push_weights_to_vllm, g.grpo_loss, g.check_push_loaded_everything = faulty_push, nan_loss, check_with_a_gap_first
 g.main()
 """
 
@@ -1944,6 +1993,10 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     weights = load_weights(out / "checkpoint-3")
     assert weights and all(torch.isfinite(w.float()).all() for w in weights.values())
     assert 'grpo_colocate.py", line' not in log
+    # the first push's check, given the names the real engine loaded less the last: 2 layers of qkv, o, gate_up, down
+    # and 2 norms, the embedding (the tied head) and the final norm are 14 (vLLM's names: fused, as it holds them)
+    gap = "negative control: the weight push left 1 of vLLM's 14 parameters unloaded (model.norm.weight): "
+    assert log.count(gap) == 2, log[-3000:]  # (each rank's engine)
 
 
 @pytest.fixture(scope="module")
