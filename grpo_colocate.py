@@ -102,9 +102,7 @@ class Config:
     max_prompt_length: int = HfArg(default=256, help="tokens per templated prompt at most (a longer one: an error)")
     max_completion_length: int = HfArg(default=128, help="maximum new tokens per completion")
     temperature: float = HfArg(default=1.0, help="sampling temperature (the trainer's log-probs use the same)")
-    chat_template_kwargs: str | None = HfArg(
-        default=None, help='JSON for the chat template: {"enable_thinking": false}'
-    )
+    chat_template_kwargs: str | None = HfArg(default=None, help="a JSON object for every apply_chat_template call")
 
     # --- the optimizer: AdamW at a constant learning rate (its betas are in ds_zero3.json)
     learning_rate: float = HfArg(default=1e-5, help="AdamW learning rate")
@@ -161,12 +159,8 @@ class Config:
 
 PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (its extra memory, + 1 parameter)
 LOGPROB_CHUNK = 2**28  # the trainer's log-prob pass makes at most ~this many logits (1 GiB in float32) at a time
-LOGIT_TRANSFORMS = [
-    "final_logit_softcapping",
-    "logit_scale",
-    "logits_scaling",
-    "lm_head_multiplier",
-]  # see check_model
+# what some models do to the logits after the LM head (Gemma 2, Cohere, Granite, Falcon-H1): see check_model
+LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -300,19 +294,18 @@ def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list
     if not prompts:  # (apply_chat_template reads a batch's first item)
         return []
     conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-    batch = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         conversations, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
     )
-    return [list(ids) for ids in batch]
 
 
 def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
     """Every prompt of the data (the eval rows included; of the built-in task, its eval rows, which span its lengths)
     fits --max_prompt_length once templated: the loop cuts none, and vLLM would refuse a longer one."""
     if isinstance(source, DatasetRows):
-        prompts = source.dataset["prompt"]  # (one read of the column)
-    else:
-        prompts = [row["prompt"] for row in source.eval_rows]
+        prompts = source.dataset["prompt"]  # (the whole column in one read)
+    else:  # (and its first training row: a model without a chat template fails here with --num_eval_prompts 0 too)
+        prompts = [row["prompt"] for row in [*source.eval_rows, source[0]]]
     lengths = sorted(len(ids) for ids in encode_prompts(tokenizer, list(prompts), cfg.template_kwargs))
     over = sum(n > cfg.max_prompt_length for n in lengths)
     if over:
@@ -487,13 +480,9 @@ def check_options(cfg: Config, world: int) -> None:
     per_rank = cfg.completions_per_rank
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     tp_fits = world % tp == 0 and per_node % tp == 0  # TP groups are contiguous ranks of one node
-    alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    sleep_ok = not (ON_GPU and cfg.vllm_enable_sleep_mode and "expandable_segments:True" in alloc_conf)
     cap = cfg.vllm_importance_sampling_clip_max
-    try:
+    with loading("chat_template_kwargs", cfg.chat_template_kwargs):  # (JSON's own error)
         template_ok = isinstance(cfg.template_kwargs, dict)
-    except json.JSONDecodeError:
-        template_ok = False
     rows = [
         (not too_small, f"--{', --'.join(too_small)}: must be >= 1"),
         (not negative, f"--{', --'.join(negative)}: must be >= 0"),
@@ -511,7 +500,6 @@ def check_options(cfg: Config, world: int) -> None:
         (len(cfg.reward_weights) == len(cfg.reward_funcs), "--reward_weights: one weight per name in --reward_funcs"),
         (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
         (set(cfg.report_to) <= {"none", "wandb", "trackio"}, f"--report_to {cfg.report_to}: none, wandb or trackio"),
-        (sleep_ok, "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True breaks vLLM's sleep mode: unset it"),
         (template_ok, f"--chat_template_kwargs {cfg.chat_template_kwargs}: must be a JSON object"),
     ]
     for ok, message in rows:
@@ -529,7 +517,6 @@ def check_model(cfg: Config, model_config) -> None:
     length = cfg.max_prompt_length + cfg.max_completion_length
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
     weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
-    # what some models do to the logits after the LM head (Gemma 2, Cohere, Granite, Falcon-H1); vLLM does it too
     after_head = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
     if not heads_split:
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
@@ -537,8 +524,7 @@ def check_model(cfg: Config, model_config) -> None:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: over the context, {context}")
     if after_head:
         raise ConfigError(
-            f"--model {cfg.model}: its {after_head[0]} transforms the logits after the LM head, which the trainer's "
-            "log-prob pass (sequence_logprobs) does not"
+            f"--model {cfg.model}: its {after_head[0]} changes the logits after the LM head (unsupported)"
         )
     if os.path.isdir(cfg.model) and not weights:
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
@@ -698,7 +684,7 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
 
 def hide_expected_load_warnings(record: logging.LogRecord) -> bool:
     """vLLM warns at every push about modules without checkpoint weights (the rotary embedding, a tied lm_head): that
-    is expected, and a push that missed a weight shows in logp_diff."""
+    is expected; a push that misses a weight stops the run at the first push (check_push_loaded_everything)."""
     return not re.search(r"(RotaryEmbedding|ParallelLMHead): Failed to load weights", record.getMessage())
 
 
@@ -899,10 +885,9 @@ def check_push_loaded_everything(llm, loaded: set[str]) -> None:
     (engine_params,) = llm.apply_model(lambda vllm_model: {name for name, _ in vllm_model.named_parameters()})
     unloaded = sorted(engine_params - loaded)
     if unloaded:
+        first = ", ".join(unloaded[:3])
         raise ConfigError(
-            f"the weight push left {len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded "
-            f"({', '.join(unloaded[:3])}{', ...' if len(unloaded) > 3 else ''}): vLLM's load_weights did not map the "
-            "trainer's parameters onto them"
+            f"the weight push left {len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded: {first}"
         )
 
 
@@ -978,82 +963,75 @@ def load_training_state(engine, checkpoint: str, ds_config: dict) -> None:
                 group[key] = tuple(settings[key]) if key == "betas" else settings[key]
 
 
-def sequence_logprobs(
-    model, prompts: list, completions: list, temperature: float, device, pad_id: int, max_tokens: int
-):
+def sequence_logprobs(model, prompts, completions, temperature: float, device, pad_id: int, max_tokens: int):
     """The model's log-probs and entropies of each completion's tokens, as two [B, T] tensors (T: the longest), 0 past
     each completion's end. max_tokens: the most completion tokens a micro-batch can hold, which sets how many chunks
     the LM head runs in (the same on every rank and step, as ZeRO-3 needs: see chunked_logprobs)."""
+
+    def to_device(host: torch.Tensor) -> torch.Tensor:  # from pinned memory: the CPU does not wait for the GPU
+        return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+
     sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(s) for s in sequences)
     padded = [s + [pad_id] * (width - len(s)) for s in sequences]  # right padding
     attention = [[1] * len(s) + [0] * (width - len(s)) for s in sequences]
-    host = torch.tensor([padded, attention])  # [2, B, L]: one copy to the device, from pinned memory (no wait)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    ids, attention_mask = host.to(device, non_blocking=True)  # [B, L] each
-    hidden = final_hidden_states(model, ids, attention_mask)  # [B, L, H]
-    # Position t predicts token t + 1: row i's completion tokens are predicted by positions len(p) - 1 onwards. The
-    # N = sum of len(c) predicting positions of all rows, flat and in row order:
+    ids, attention_mask = to_device(torch.tensor([padded, attention]))  # [B, L] each
+    # Position t predicts token t + 1: completion token t of row i is predicted at position len(prompt i) - 1 + t
     lengths = torch.tensor([len(c) for c in completions])  # [B]
-    rows = torch.repeat_interleave(torch.arange(len(completions)), lengths).to(device)  # [N]
-    positions = torch.cat(
-        [torch.arange(len(p) - 1, len(p) - 1 + len(c)) for p, c in zip(prompts, completions, strict=True)]
-    )
-    positions = positions.to(device)  # [N]
-    head = unwrapped(model).get_output_embeddings()
-    num_chunks = math.ceil(max_tokens * head.out_features / LOGPROB_CHUNK)
-    logp, entropy = chunked_logprobs(head, hidden[rows, positions], ids[rows, positions + 1], temperature, num_chunks)
-    mask = torch.arange(lengths.max())[None] < lengths[:, None]  # [B, T]: the completions' tokens, row by row
-    mask = mask.to(device)
+    mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
+    rows, columns = mask.nonzero(as_tuple=True)  # [N] each, row by row: token `columns` of completion `rows`
+    positions = torch.tensor([len(p) - 1 for p in prompts])[rows] + columns  # [N]
+    predicting = to_device(torch.stack([rows, positions]))  # [2, N]: (row, position) of each token's prediction
+    logp, entropy = logprobs_forward(model, ids, attention_mask, predicting, temperature, max_tokens)  # [N] each
+    mask = to_device(mask)
     zeros = torch.zeros(mask.shape, device=device)
-    return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each
+    return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each, row by row as N
 
 
-def final_hidden_states(model, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The model's last hidden states [B, L, H], after its final norm: what its LM head would turn into [B, L, V]
-    logits. A hook takes them as the LM head's input inside the model's own forward (DeepSpeed's engine, gradient
-    checkpointing, the model's final norm all as usual; output_hidden_states would keep every layer's states alive),
-    and hands the head an empty slice instead: the forward computes no logits."""
-    captured = []
+def logprobs_forward(model, ids, attention_mask, predicting, temperature: float, max_tokens: int):
+    """One forward of the model that returns, in place of its [B, L, V] logits, the log-probs and entropies [N] of the
+    tokens ids[row, position + 1] for the (row, position) pairs of predicting [2, N]. Hooks take the LM head's input
+    (the final hidden states [B, L, H]; output_hidden_states would keep every layer's) and hand the head no positions,
+    then replace the model's output: DeepSpeed's engine puts its backward hooks on what the loss uses."""
+    hf_model = getattr(model, "module", model)  # (DeepSpeed's engine holds the HF model)
+    head = hf_model.get_output_embeddings()
+    num_chunks = math.ceil(max_tokens * head.out_features / LOGPROB_CHUNK)  # (see chunked_logprobs)
+    hidden_states = []
 
-    def take_input(head, args):
-        captured.append(args[0])
+    def take_hidden_states(head, args):  # keeps the head's input and replaces it: logits for no position
+        hidden_states.append(args[0])
         return (args[0][..., :0, :],)
 
-    hook = unwrapped(model).get_output_embeddings().register_forward_pre_hook(take_input)
+    def logprobs_as_output(hf_model, args, output):
+        head_hook.remove()  # (the chunks' calls of the head below are plain calls)
+        rows, positions = predicting
+        hidden = hidden_states[0][rows, positions]  # [N, H]
+        return chunked_logprobs(head, hidden, ids[rows, positions + 1], temperature, num_chunks)
+
+    head_hook = head.register_forward_pre_hook(take_hidden_states)
+    model_hook = hf_model.register_forward_hook(logprobs_as_output, prepend=True)  # (before ZeRO-3's hooks)
     try:
-        model(input_ids=ids, attention_mask=attention_mask)
+        return model(input_ids=ids, attention_mask=attention_mask)
     finally:
-        hook.remove()
-    return captured[0]
+        head_hook.remove()
+        model_hook.remove()
 
 
 def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
-    """hidden [N, H], tokens [N] -> log p(token) [N] and the entropy [N], through the LM head num_chunks slices of
-    positions at a time. Each slice's [n, V] logits are recomputed in backward (checkpoint), so no more than one
-    slice's logits exist at once: memory grows with N / num_chunks x V, not N x V. The head is called num_chunks
-    times whatever N is (empty slices too): ZeRO-3 gathers its weight at each call, and every rank must make the same
-    calls in the same order."""
+    """hidden [N, H], tokens [N] -> log p(token) [N] and the entropy [N], through the LM head in num_chunks slices of
+    positions. Each slice's [n, V] logits are recomputed in backward (checkpoint): one slice's logits exist at a time.
+    The head is called num_chunks times whatever N is (empty slices too): ZeRO-3 gathers its weight at each call, and
+    every rank must make the same calls in the same order."""
     size = math.ceil(len(tokens) / num_chunks)
-    logps = []
-    entropies = []
-    for k in range(num_chunks):
-        part = slice(k * size, (k + 1) * size)
-        logp, entropy = checkpoint(head_logprobs, head, hidden[part], tokens[part], temperature, use_reentrant=False)
-        logps.append(logp)
-        entropies.append(entropy)
+    parts = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
+    chunks = [checkpoint(head_logprobs, head, hidden[p], tokens[p], temperature, use_reentrant=False) for p in parts]
+    logps, entropies = zip(*chunks, strict=True)  # (log p, entropy) per chunk -> all log-probs, all entropies
     return torch.cat(logps), torch.cat(entropies)
 
 
 def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float):
     """One slice: hidden [n, H] -> the LM head's logits [n, V] -> log p(token) and the entropy [n]."""
     return token_logprobs(head(hidden), tokens, temperature)
-
-
-def unwrapped(model):
-    """The HF model inside DeepSpeed's engine (or the model itself)."""
-    return getattr(model, "module", model)
 
 
 def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:
@@ -1231,14 +1209,12 @@ def train(cfg: Config, inputs: Inputs, parts: Setup, run_log: RunLog, device: to
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
+        try:
+            loaded = push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode, timer, parts.wake_bytes)
+        except (KeyError, ValueError) as e:  # vLLM's loader refusing a name of the trainer's model
+            raise ConfigError(f"--model {cfg.model}: vLLM's loader: {type(e).__name__}: {str(e)[:200]}") from None
         if step == inputs.first_step:  # the names never change: the first push shows that every weight arrives
-            with loading("model", cfg.model):  # (vLLM's loader refusing a name of the trainer's model: one line)
-                loaded = push_weights_to_vllm(
-                    parts.llm, parts.engine.module, parts.sleep_mode, timer, parts.wake_bytes
-                )
             check_push_loaded_everything(parts.llm, loaded)
-        else:
-            push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode, timer, parts.wake_bytes)
         metrics = {"step": step}
         with timer("eval"):
             if eval_due(cfg, step):
