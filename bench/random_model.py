@@ -30,15 +30,6 @@ SHAPES = {  # Qwen2.5-1.5B / -3B / -7B layer shapes; the vocabulary is SmolLM2's
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
-    "1.5b-qwen": dict(  # (Qwen2.5's qkv biases left out: a llama, as the others)
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        vocab_size=151936,
-    ),
     "3b": dict(
         hidden_size=2048,
         intermediate_size=11008,
@@ -64,6 +55,8 @@ SHAPES = {  # Qwen2.5-1.5B / -3B / -7B layer shapes; the vocabulary is SmolLM2's
         tie_word_embeddings=True,
     ),
 }
+
+SHAPES["1.5b-qwen"] = {**SHAPES["1.5b"], "vocab_size": 151936}  # Qwen2.5's vocabulary (its qkv biases left out)
 
 if __name__ == "__main__":
     out, size = sys.argv[1], sys.argv[2]
