@@ -1,27 +1,26 @@
 """GRPO with a co-located vLLM engine, in one file.
 
 GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them,
-and give every token of a completion its reward relative to its group as the advantage. The model learns from its own
-samples, so generation is most of the cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an
-in-process vLLM engine (distributed_executor_backend="external_launcher") on the same GPU as its DeepSpeed ZeRO-3
-trainer, and the two take turns. One step of `train`:
-  1. push the trained weights into vLLM, woken from sleep (`push_weights_to_vllm`);
-  2. exchange prompts inside the tensor-parallel group and generate G completions each (`generate`), then
-     sleep(level=2) (`sleep_vllm`);
+and give every token of a completion its reward relative to its group as the advantage. Generation is most of the
+cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-process vLLM engine
+(distributed_executor_backend="external_launcher") on the GPU of its DeepSpeed ZeRO-3 trainer; the two take turns.
+
+Reading index. `setup` makes the tensor-parallel (TP) groups (`tp_group_layout`), this rank's engine (`build_vllm`),
+puts it to sleep (`sleep_after_build`) and builds the trainer (`build_trainer`). One step of `train`:
+  1. wake vLLM and push the trained weights into it (`push_weights_to_vllm`, through `gathered_params`);
+  2. exchange prompts in the TP group, generate G completions each (`generate`), sleep(level=2) (`sleep_vllm`);
   3. rewards (`score`) -> group-relative advantages (`group_advantages`);
-  4. the trainer's log-probs, the clipped loss (`grpo_loss`), backward, optimizer step (`train_on_rollouts`).
-The trainer's log-probs of the sampled tokens are compared with vLLM's every step (sampling/logp_diff_*): stale
-weights in vLLM show there.
+  4. the trainer's log-probs (`sequence_logprobs`), the clipped loss (`grpo_loss`; denominators: `loss_settings`),
+     backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`): the trainer's
+     log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights in vLLM show.
+The mechanisms follow `train` in that order; then the data, then the plumbing. Where this differs from the paper and
+from TRL 1.16's GRPOTrainer: README.md, "Deviations from TRL".
 
-Where this differs from the paper and from TRL 1.16's GRPOTrainer: README.md, "Deviations from TRL".
-
-Launch (`bash run.sh` installs the environment, builds an offline copy of the default model and does this; add
---save_steps 50, and after a stop or a crash --resume latest):
+Launch (`bash run.sh` installs, builds an offline copy of the default model and runs this; add --save_steps 50, and
+after a stop or a crash --resume latest; SIGTERM or SIGINT stops at the next safe point with a checkpoint, status 0):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
-SIGTERM or SIGINT to the workers stops the run at the next safe point with a checkpoint and exit status 0; run.sh
-hands a signal sent to it (the way schedulers stop jobs) to the workers.
 """
 
 from __future__ import annotations
@@ -67,12 +66,14 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bar pe
 if not ON_GPU:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns that it found no GPU
 logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])  # also before vLLM sets its own logging up
+# the CPU weight reload warns at every push of weightless modules (rotary embedding, tied head): expected
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 from transformers.hf_argparser import HfArg, HfArgumentParser  # noqa: E402 (it reads the environment set above)
 
-# DeepSpeed and vLLM use torch.distributed names that torch has deprecated: a warning per call, per step.
+# DeepSpeed and vLLM call torch.distributed functions that torch has deprecated (a warning per call), and barrier()
+# warns that the process group is not bound to a device (deliberately: see main).
 warnings.filterwarnings("ignore", message=r".*(torch\.distributed.*deprecated|deprecated.*torch\.distributed)")
-# The process group is deliberately not bound to a device (see main); barrier() uses the rank's current GPU.
 warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
 
 RANK = int(os.environ.get("RANK", 0))
@@ -171,7 +172,719 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return Config(**vars(parser.parse_args(argv)))
 
 
-# ================================================================================================== data and rewards
+# ================================================================================================= the training loop
+def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device: torch.device) -> None:
+    """max_steps GRPO steps, then the final model; a checkpoint every save_steps and when a signal asks to stop."""
+    world = dist.get_world_size()
+    tp = cfg.vllm_tensor_parallel_size
+    G = cfg.num_generations
+    sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
+    pad_id = inputs.tokenizer.pad_token_id or 0
+    for step in range(inputs.first_step, cfg.max_steps):
+        if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
+            return stop_and_save(colo, inputs, cfg, step)
+        timer = PhaseTimer(sync=ON_GPU)
+        step_start = time.perf_counter()
+        eval_step = evals_enabled(cfg) and step % cfg.eval_steps == 0
+        # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
+        try:
+            with timer("push"):  # waking vLLM included
+                loaded = push_weights_to_vllm(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
+        except (KeyError, ValueError) as e:  # vLLM's loader refusing a name of the trainer's model
+            raise ConfigError(f"--model {cfg.model}: vLLM's loader: {type(e).__name__}: {str(e)[:200]}") from None
+        if step == inputs.first_step:  # the names never change: the first push shows that every weight arrives
+            check_push_loaded_everything(colo.llm, loaded)
+        metrics = {"step": step}
+        with timer("eval"):
+            if eval_step:
+                metrics.update(evaluate(colo.llm, inputs, cfg, colo.tp_group, device))
+        # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
+        examples = prompts_for_step(inputs.source, step, cfg.completions_per_rank // G, world)
+        prompts = [example["prompt"] for example in examples]
+        prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
+        with timer("generate"):  # the TP group's prompt exchange, generation, the texts decoded
+            seed = step_seed(cfg.seed, step, tp_group_index=RANK // tp)
+            outputs = generate(colo.llm, prompt_ids, sampling, colo.tp_group, seed)
+            rollouts = collect_rollouts(examples, prompt_ids, outputs, inputs.tokenizer)
+        if colo.sleep_mode:
+            with timer("sleep"):
+                sleep_vllm(colo.llm)
+        # a safe point: the samples are dropped, and the resumed run draws them again, with the same seeds
+        if stop_requested(device):
+            return stop_and_save(colo, inputs, cfg, step)
+        # ---- 3. rewards -> group-relative advantages
+        stats = Stats()
+        with timer("reward"):
+            rewards = score(rollouts, inputs.reward_funcs, cfg.reward_weights, stats)
+            advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards)
+        if eval_step:
+            print_samples(rollouts, rewards, advantages, cfg.num_completions_to_print)
+        # ---- 4. the policy update
+        try:
+            with timer("train"):  # the trainer's forward, backward and optimizer step
+                train_on_rollouts(colo.trainer, colo.ref, rollouts, advantages, cfg, device, pad_id, stats)
+        except NonFiniteError as e:
+            last = (checkpoints(cfg.output_dir) or ["none"])[-1]
+            raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
+        # ---- 5. the metrics of all ranks
+        add_rollout_stats(stats, rollouts, group_std, prompts)
+        metrics.update(stats.reduce(device))
+        samples = world * cfg.completions_per_rank
+        metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, samples, metrics))
+        if step == inputs.first_step:
+            metrics.update(colo.memory)
+        if ON_GPU:  # this process's peak so far: the trainer's memory and vLLM's pool
+            metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        run_log.log(metrics)
+        # ---- 6. a checkpoint when due
+        if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
+            save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step + 1)
+    # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
+    if evals_enabled(cfg) and not stop_requested(device):
+        push_weights_to_vllm(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
+        run_log.log({"step": cfg.max_steps, **evaluate(colo.llm, inputs, cfg, colo.tp_group, device)})
+        if colo.sleep_mode:
+            sleep_vllm(colo.llm)
+    save_model(colo.trainer.module, inputs.tokenizer, os.path.join(cfg.output_dir, "final"))
+    say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
+
+
+@dataclass
+class Colocation:
+    """What `setup` builds: the engine and the trainer that take turns on this rank's GPU."""
+
+    llm: object  # this rank's vLLM engine: asleep between steps in sleep mode
+    trainer: object  # the policy's DeepSpeed ZeRO-3 engine (its HF model: trainer.module)
+    ref: object | None  # the frozen reference (beta > 0)
+    tp_group: object | None  # this rank's TP group (None at TP 1)
+    sleep_mode: bool
+    wake_bytes: int = 0  # what vLLM maps again at wake-up
+    memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
+
+
+def setup(cfg: Config, inputs: Inputs) -> Colocation:
+    """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (resumed) and the reference."""
+    import deepspeed
+    import deepspeed.ops
+
+    world = dist.get_world_size()
+    tp = cfg.vllm_tensor_parallel_size
+    sleep_mode = cfg.vllm_enable_sleep_mode and ON_GPU
+    dtype = torch.bfloat16 if ON_GPU else torch.float32  # float32 on CPU: the sync check is exact there
+    if cfg.vllm_enable_sleep_mode and not ON_GPU:
+        say("note: vLLM sleep mode is CUDA-only: on CPU the engine stays awake", rank0=True)
+    tp_group = None
+    if tp > 1:  # ours, for the prompt exchange only (vLLM makes its own, of the same contiguous ranks); all ranks join
+        tp_group, _ = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))
+    if not ON_GPU:  # no JIT build (g++, ~50 s) of a shared-memory op that gloo does not use
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")  # joins our process group
+    dist.barrier()  # the first collective sets NCCL up: its memory is not counted as vLLM's below
+    free_before = torch.cuda.mem_get_info()[0] if ON_GPU else 0
+    # The engine runs one step's batch of its whole TP group at once (evaluate sends none larger). On CPU it runs
+    # eagerly: compiling takes minutes there.
+    options = {"enable_sleep_mode": sleep_mode, "enforce_eager": cfg.vllm_enforce_eager or not ON_GPU}
+    if ON_GPU:
+        options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    max_model_len = cfg.max_prompt_length + cfg.max_completion_length
+    llm = build_vllm(cfg.model, tp, cfg.seed, cfg.completions_per_rank * tp, max_model_len, dtype, **options)
+    colo = Colocation(llm, None, None, tp_group, sleep_mode)
+    if sleep_mode:
+        awake, asleep = sleep_after_build(llm, free_before)
+        colo.wake_bytes = awake - asleep
+        colo.memory = {"memory/vllm_awake_gib": awake / 2**30, "memory/vllm_asleep_gib": asleep / 2**30}
+        colo.memory["memory/sleep_freed_frac"] = 1 - asleep / awake
+        say(f"vLLM holds {awake / 2**30:.2f} GiB awake (KV cache: one step), {asleep / 2**30:.2f} asleep", rank0=True)
+    ds_config = fill_ds_config(inputs.ds_config, cfg, world, bf16=ON_GPU)
+    colo.trainer = build_trainer(cfg, cfg.model, ds_config, dtype)
+    if cfg.beta != 0.0:
+        colo.ref = build_trainer(cfg, cfg.model, ds_config, dtype, train=False)
+    if inputs.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
+        load_training_state(colo.trainer, inputs.resume_dir, ds_config)
+        say(f"resumed from {inputs.resume_dir}: continuing at step {inputs.first_step}", rank0=True)
+    gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
+    G = cfg.num_generations
+    shape = f"{cfg.completions_per_rank} completions/rank/step ({cfg.completions_per_rank // G} prompts x {G})"
+    say(f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {shape} | sleep mode {sleep_mode} | {dtype}", rank0=True)
+    return colo
+
+
+def evals_enabled(cfg: Config) -> bool:
+    return cfg.eval_steps > 0 and cfg.num_eval_prompts > 0
+
+
+def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
+    """The rewards of greedy completions of the held-out eval set, split over the ranks and sent to vLLM (awake) in
+    batches of one step's prompts at most: the KV cache holds no more."""
+    eval_rows = inputs.source.eval_rows
+    world = dist.get_world_size()
+    rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
+    batch = cfg.completions_per_rank
+    rounds = math.ceil(math.ceil(len(eval_rows) / world) / batch)  # the same on every rank of a TP group
+    greedy = sampling_params(1, 0.0, cfg.max_completion_length)
+    stats = Stats()
+    for i in range(rounds):
+        chunk = rows[i * batch : (i + 1) * batch]
+        ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.template_kwargs)
+        outputs = generate(llm, ids, greedy, tp_group)
+        r = collect_rollouts(chunk, ids, outputs, inputs.tokenizer)
+        if r.texts:  # (a rank with no eval rows left scores nothing)
+            score(r, inputs.reward_funcs, cfg.reward_weights, stats, prefix="eval/")
+    return stats.reduce(device)
+
+
+def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> None:
+    """A signal asked the run to stop before `step`: save what the steps before it trained, unless saved already."""
+    if step == inputs.first_step:
+        say(f"stopped by a signal before step {step}: nothing new to save", rank0=True)
+        return
+    path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+    if not (cfg.save_steps > 0 and step % cfg.save_steps == 0):  # (else saved after the last step already)
+        save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step)
+    say(f"stopped by a signal after step {step - 1}: saved {path}; resume with --resume latest", rank0=True)
+
+
+# ======================================================================================================= co-location
+# With external_launcher, vLLM starts no processes of its own: every torchrun rank runs the engine's worker in its
+# own process, on its own GPU, inside the process group torchrun made. A TP group's ranks hold one engine together.
+# These functions take plain arguments (no Config): they copy into another trainer as they are.
+def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
+    """Contiguous ranks share an engine, as vLLM lays them out: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
+    return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
+
+
+def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model_len: int, dtype, **llm_options):
+    """This rank's in-process engine; the ranks of a TP group build one engine together, with one seed. Its KV cache
+    holds max_num_seqs sequences of max_model_len tokens: what a step's batch needs, whatever the GPU's size.
+    llm_options: more of vLLM's LLM arguments (enable_sleep_mode, enforce_eager, gpu_memory_utilization)."""
+    from vllm import LLM
+
+    return LLM(
+        model=model_path,
+        tensor_parallel_size=tp,
+        distributed_executor_backend="external_launcher",
+        seed=seed + dist.get_rank() // tp,  # one per engine: the group's ranks must sample alike
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(max_num_seqs, min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len)),
+        kv_cache_memory_bytes=kv_cache_bytes(model_path, tp, max_num_seqs, max_model_len, dtype),
+        logprobs_mode="processed_logprobs",  # the log-probs after temperature, as the trainer computes them
+        # CUDA graphs of the decode steps (2.6x faster generation) of the model as it is: no torch.compile at start-up
+        # (mode 0 = CompilationMode.NONE), and less graph memory, which sleep cannot free.
+        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
+        use_tqdm_on_load=False,
+        **llm_options,
+    )
+
+
+def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype: torch.dtype) -> int:
+    """A KV cache for num_seqs sequences of seq_len tokens (+ one 16-token block): all an engine can use at once."""
+    from transformers import AutoConfig
+
+    text_config = AutoConfig.from_pretrained(model_path).get_text_config()
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    kv_heads_here = max(1, kv_heads // tp)  # this rank's share (replicated when there are fewer heads than ranks)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    bytes_per_token = 2 * text_config.num_hidden_layers * kv_heads_here * head_dim * dtype.itemsize  # K and V
+    return bytes_per_token * num_seqs * (seq_len + 16)
+
+
+# The two sleeps. Both are level 2: vLLM discards its weights and frees its KV cache (the next push wakes it and
+# loads the weights anew). The first, once after the build, is vLLM's own llm.sleep(level=2), which ends with
+# torch.cuda.empty_cache(): the device's free memory then shows what the engine keeps asleep. Every sleep after a
+# step's generation is sleep_vllm: the same sleep without that empty_cache, which would hand the blocks in torch's
+# cache back to the driver for a trainer in another process; ours is this process and would cudaMalloc them again.
+def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
+    """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
+    awake = free_before - torch.cuda.mem_get_info()[0]
+    llm.sleep(level=2)
+    asleep = free_before - torch.cuda.mem_get_info()[0]
+    return awake, asleep
+
+
+def sleep_vllm(llm) -> None:
+    """Every sleep after generating: sleep(level=2) with torch.cuda.empty_cache() a no-op meanwhile."""
+    with mock.patch("torch.cuda.empty_cache"):  # (put back on exit, also when sleep raises)
+        llm.sleep(level=2)
+
+
+def push_weights_to_vllm(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
+    """Make vLLM sample from the weights just trained; returns the names of the engine's parameters it loaded.
+    Level-2 sleep discarded vLLM's weights, so: wake the weight memory, stream the trained parameters in, wake the KV
+    cache, drop the cached prefixes. Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk.
+    vLLM's model is in this process (external_launcher): its load_weights pulls gathered_params, bucket by bucket.
+    wake_bytes: what vLLM maps at wake-up (0: unknown)."""
+    if sleep_mode:
+        make_room_for_wake(wake_bytes)
+        llm.wake_up(tags=["weights"])
+    weights = gathered_params(model)  # checkpoint-format tensors: vLLM fuses qkv / gate-up and cuts its TP shard
+    if ON_GPU:  # the model's own loader copies them into the engine's tensors in place (one engine in this process)
+        (loaded,) = llm.apply_model(lambda vllm_model: vllm_model.load_weights(weights))
+    else:
+        loaded = reload_weights_on_cpu(llm, weights)
+    if sleep_mode:
+        make_room_for_wake(wake_bytes)  # the gather's buffers are in torch's cache now
+        llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+    return set(loaded)
+
+
+def make_room_for_wake(wake_bytes: int) -> None:
+    """Hand torch's cached blocks back to the driver only if what vLLM maps at wake-up would not fit beside them (each
+    costs a cudaFree now and a cudaMalloc in the trainer's next step), with 1 GiB to spare for what generation
+    allocates outside vLLM's pool: a batch's logits and sampler buffers (0.15 GiB: 256 sequences, 152k vocabulary)."""
+    if not ON_GPU:  # (no sleep elsewhere)
+        return
+    if wake_bytes <= 0 or torch.cuda.mem_get_info()[0] < wake_bytes + 2**30:
+        torch.cuda.empty_cache()
+
+
+def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
+    """Yields (name, full tensor) for every parameter, gathered from its ZeRO-3 shards ~bucket_bytes at a time: one
+    all-gather per bucket, never the whole model at once. All ranks iterate it together. A tensor is valid until the
+    next bucket is gathered: the consumer copies it first, as vLLM's load_weights and save_model do."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    params = list(model.named_parameters())
+    bucket = []
+    bucket_size = 0
+    for i, (name, param) in enumerate(params):
+        bucket.append((name, param))
+        bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
+        if bucket_size >= bucket_bytes or i == len(params) - 1:
+            # Small parameters (under ZeRO-3's persistence threshold) stay whole after each optimizer step. Gathering
+            # them here would free them on exit, and the next forward pass would gather them again.
+            partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
+            with deepspeed.zero.GatheredParameters(partitioned):
+                for bucket_name, bucket_param in bucket:
+                    yield bucket_name, bucket_param.data
+            bucket = []
+            bucket_size = 0
+
+
+def reload_weights_on_cpu(llm, weights) -> set[str]:
+    """vLLM's CPU backend packs linear weights for its kernels: its layer-wise reload_weights packs them again (the
+    names its model's load_weights loaded are recorded on the way: reload_weights returns none)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
+    load = vllm_model.load_weights
+    loaded = set()
+
+    def recording_load(named_weights):
+        names = load(named_weights)
+        loaded.update(names)
+        return names
+
+    with mock.patch.object(vllm_model, "load_weights", recording_load):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    # ... except the tied lm_head, which keeps a stale packed copy unless it is packed anew
+    dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False)
+    return loaded
+
+
+def check_push_loaded_everything(llm, loaded: set[str]) -> None:
+    """Every parameter of the engine must come from the push: after level-2 sleep, one it skips holds whatever the
+    woken memory holds, and only logp_diff would show it. (A tied lm_head is the embedding: vLLM lists it once.)"""
+    (engine_params,) = llm.apply_model(lambda vllm_model: {name for name, _ in vllm_model.named_parameters()})
+    unloaded = sorted(engine_params - loaded)
+    if unloaded:
+        first = ", ".join(unloaded[:3])
+        raise ConfigError(
+            f"the weight push left {len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded: {first}"
+        )
+
+
+def sampling_params(n: int, temperature: float, max_tokens: int):
+    """Token ids and the sampled tokens' log-probs (logprobs=0) as flat lists, not an object per token, and no text:
+    vLLM's per-token detokenizing would run in this process between decode steps (collect_rollouts decodes once)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, detokenize=False, flat_logprobs=True
+    )
+
+
+def step_seed(seed: int, step: int, tp_group_index: int) -> int:
+    """The first sampling seed of a TP group's engine in a step: a function of (seed, step, group), not of the engine's
+    history, so a resumed run samples as the uninterrupted one did. The step's samples take the 2**20 seeds from here
+    on (generate adds i * n + k): the hash is shifted by 20 bits."""
+    return zlib.crc32(f"{seed}:{step}:{tp_group_index}".encode()) << 20
+
+
+def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | None = None):
+    """vLLM's outputs for this rank's prompts, in order (tp_group: None at TP 1). A TP group's ranks feed one engine:
+    with external_launcher each rank runs its own copy of the scheduler, so they must submit the same requests in the
+    same order with the same seeds, or their collectives go out of step. Each gathers the group's prompts, the engine
+    generates them all, each rank keeps its slice. Prompt i of the group samples with seed + i * n (+ 0 .. n - 1)."""
+    group_prompts, start = exchange_prompts(prompt_ids, tp_group)
+    if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
+        return []
+    per_prompt = params
+    if seed is not None:  # else vLLM's GPU runner seeds each request from numpy's RNG: a resumed run would differ
+        per_prompt = [params.clone() for _ in group_prompts]
+        for i, prompt_params in enumerate(per_prompt):
+            prompt_params.seed = seed + i * params.n
+    requests = [{"prompt_token_ids": ids} for ids in group_prompts]
+    outputs = llm.generate(requests, per_prompt, use_tqdm=False)
+    return outputs[start : start + len(prompt_ids)]
+
+
+def exchange_prompts(prompt_ids: list[list[int]], tp_group) -> tuple[list[list[int]], int]:
+    """The prompts of every rank of this TP group, in rank order, and where this rank's own begin in that list."""
+    if tp_group is None:
+        return prompt_ids, 0
+    by_rank = [None] * dist.get_world_size(tp_group)  # each rank's list of prompts
+    dist.all_gather_object(by_rank, prompt_ids, group=tp_group)
+    start = sum(len(prompts) for prompts in by_rank[: dist.get_rank(tp_group)])
+    return [ids for prompts in by_rank for ids in prompts], start
+
+
+@dataclass
+class Rollouts:
+    """This rank's samples of one step, one entry per completion: completion k of prompt i is entry i * G + k, the
+    layout group_advantages' view(-1, G) relies on."""
+
+    prompts: list[list[int]]  # the prompt's token ids
+    completions: list[list[int]]  # the sampled token ids, EOS included
+    vllm_logps: list[list[float]]  # vLLM's log-prob of each sampled token
+    texts: list[str]  # the completion as text
+    rows: list[dict]  # the prompt's row of the data (what the reward functions read)
+    truncated: list[bool]  # cut at max_completion_length
+
+
+def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs, tokenizer) -> Rollouts:
+    """vLLM's outputs, a list of G samples per prompt, as one flat list of completions; texts decoded in one batch."""
+    r = Rollouts(prompts=[], completions=[], vllm_logps=[], texts=[], rows=[], truncated=[])
+    for example, ids, output in zip(examples, prompt_ids, outputs, strict=True):
+        for sample in output.outputs:  # the prompt's G completions, k = 0 .. G - 1
+            r.prompts.append(ids)
+            r.completions.append(list(sample.token_ids))
+            r.vllm_logps.append(list(sample.logprobs.logprobs))
+            r.rows.append(example)
+            r.truncated.append(sample.finish_reason == "length")
+    if r.completions:  # (batch_decode of no sequences is not an empty list)
+        r.texts = tokenizer.batch_decode(r.completions, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return r
+
+
+# ========================================================================================== rewards and advantages
+def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = "") -> torch.Tensor:
+    """The weighted total reward [B]; each function's mean over the samples it scored, and the total's, into stats.
+    Each function is called once, as TRL calls it: completions (text, or an assistant message for a conversational
+    prompt), prompts, completion_ids and every other column by name. None: cannot score this sample (the others'
+    rewards still count; a sample no function scores has a NaN total, which group_advantages leaves out)."""
+    completions = [
+        t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
+        for t, row in zip(r.texts, r.rows, strict=True)
+    ]
+    prompts = [row["prompt"] for row in r.rows]
+    columns = {name: [row[name] for row in r.rows] for name in (r.rows[0] if r.rows else {}) if name != "prompt"}
+    weighted = []
+    for (name, fn), weight in zip(reward_funcs.items(), weights, strict=True):
+        values = list(fn(completions=completions, prompts=prompts, completion_ids=r.completions, **columns))
+        if len(values) != len(completions):
+            raise ConfigError(
+                f"reward function {name!r} returned {len(values)} rewards for {len(completions)} samples"
+            )
+        rewards = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)  # [B]
+        scored = rewards[~rewards.isnan()]
+        stats.mean(f"{prefix}rewards/{name}", scored.sum().item(), scored.numel())
+        weighted.append(weight * rewards)
+    weighted = torch.stack(weighted)  # [functions, B]
+    unscored = weighted.isnan().all(0)  # [B]
+    total = weighted.nansum(0).masked_fill(unscored, math.nan)  # [B]
+    stats.mean(f"{prefix}reward", total.nansum().item(), (~unscored).sum().item())
+    return total
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """rewards [B], completion k of prompt i at i * G + k -> advantages [B] and each group's reward std [B / G].
+    Advantage = reward - the group's mean, / (the group's unbiased std + 1e-4) when scale is "group", as TRL. A NaN
+    reward (unscored) takes no part in its group's statistics and gets advantage 0, as in TRL 1.16."""
+    grouped = rewards.view(-1, num_generations)  # [B / G, G]
+    count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # [B / G, 1] the scored samples of each group
+    mean = grouped.nansum(dim=1, keepdim=True) / count  # [B / G, 1]
+    centered = grouped - mean  # [B / G, G], NaN where unscored
+    std = (centered.pow(2).nansum(dim=1) / (count.squeeze(1) - 1)).sqrt()  # [B / G]
+    advantages = centered / (std.unsqueeze(1) + 1e-4) if scale == "group" else centered
+    return advantages.view(-1).nan_to_num(0.0), std.nan_to_num(0.0)
+
+
+# ============================================================================================ the loss and the trainer
+def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:
+    """num_iterations optimizer steps on one step's rollouts; the loss, clip and sync-check metrics go into stats. No
+    .item() per micro-batch: the CPU (busy with ZeRO-3's hooks) does not wait for the GPU before the last one."""
+    trainer.train()
+    batch = cfg.per_device_train_batch_size
+    micro_batches = [slice(i, i + batch) for i in range(0, len(r.completions), batch)]
+    lengths = torch.tensor([len(c) for c in r.completions], device=device)  # [B]
+    advantages = advantages.to(device)
+    pad = torch.nn.utils.rnn.pad_sequence
+    # [b, T] per micro-batch: vLLM's log-probs of the sampled tokens, 0 past each completion's end
+    vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
+    settings = loss_settings(cfg, lengths, device)
+    max_tokens = batch * cfg.max_completion_length  # (what sets the LM head's chunks: the same on every rank)
+
+    def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
+        return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id, max_tokens)
+
+    with torch.no_grad():  # [b, T] each: the policy that sampled, frozen before the first update; the reference
+        old_logps = [logprobs(trainer, s)[0] if cfg.num_iterations > 1 else None for s in micro_batches]
+        ref_logps = [logprobs(ref, s)[0] if ref is not None else None for s in micro_batches]
+    rank_loss = 0.0  # this rank's share of the step's loss, summed over micro-batches and averaged over passes
+    rank_grad_norm = 0.0
+    for iteration in range(cfg.num_iterations):
+        for k, s in enumerate(micro_batches):
+            logp, entropy = logprobs(trainer, s)  # with the autograd graph
+            # One pass (the default): old = logp, so the ratio is 1 and the clip never acts (the plain policy
+            # gradient); with --num_iterations > 1, the later passes' ratios move off 1 and the clip bounds them.
+            old_logp = logp.detach() if old_logps[k] is None else old_logps[k]
+            positions = torch.arange(logp.shape[1], device=device)  # [T]
+            mask = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
+            is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max)  # [b, T]
+            if iteration == 0:  # the first pass is before any update: the weights vLLM sampled with
+                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, mask, entropy)
+            if not cfg.vllm_importance_sampling_correction:
+                is_weight = None
+            loss, loss_sums = grpo_loss(
+                logp, old_logp, advantages[s], mask, ref_logp=ref_logps[k], is_weight=is_weight, **settings
+            )
+            trainer.backward(loss, scale_wrt_gas=False)  # the denominators already account for accumulation
+            rank_loss = rank_loss + loss.detach() / cfg.num_iterations
+            for name, token_sum in loss_sums.items():  # clip ratios and KL: means over the tokens in the loss
+                stats.mean(name, token_sum, mask.sum())
+            if k == len(micro_batches) - 1:  # before the update, while the weights are still good
+                check_finite(float(rank_loss), "loss", device)
+            trainer.step()  # DeepSpeed updates at the accumulation boundary only
+        grad_norm = float(trainer.get_global_grad_norm() or 0.0)  # of all ranks: the same on each
+        if not math.isfinite(grad_norm):
+            raise NonFiniteError("non-finite gradient norm; stopped")
+        rank_grad_norm += grad_norm / cfg.num_iterations
+    stats.mean("loss", rank_loss, 1)  # the mean over ranks
+    stats.mean("grad_norm", rank_grad_norm, 1)
+
+
+def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
+    """grpo_loss's keywords for one step (lengths [B]: this rank's completions'). The denominator is the whole step's:
+        DeepSpeed's gradient = (1 / world) * sum over ranks and micro-batches of grad(micro-batch's sum / denominator)
+        denominator = all ranks' tokens / world (dapo), this rank's sequences (grpo; dr_grpo: x max_completion_length)
+    so that the gradient is the global batch's loss's: its mean per token (dapo) or per sequence (grpo, dr_grpo)."""
+    tokens_per_rank = max(global_sum(lengths.sum().item(), device) / dist.get_world_size(), 1.0)
+    denominator = len(lengths) * (cfg.max_completion_length if cfg.loss_type == "dr_grpo" else 1)
+    if cfg.loss_type == "dapo":
+        denominator = tokens_per_rank
+    clip = {"epsilon_low": cfg.epsilon, "epsilon_high": cfg.epsilon_high}
+    return {"denominator": denominator, "loss_type": cfg.loss_type, "beta": cfg.beta, **clip}
+
+
+def sequence_logprobs(model, prompts, completions, temperature: float, device, pad_id: int, max_tokens: int):
+    """Each completion's log-probs and entropies: two [B, T] tensors (T: the longest), 0 past its end. max_tokens:
+    the most a micro-batch can hold, which sets the LM head's chunks (see chunked_logprobs)."""
+
+    def to_device(host: torch.Tensor) -> torch.Tensor:  # from pinned memory: the CPU does not wait for the GPU
+        return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
+
+    sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
+    width = max(len(s) for s in sequences)
+    padded = [s + [pad_id] * (width - len(s)) for s in sequences]  # right padding
+    attention = [[1] * len(s) + [0] * (width - len(s)) for s in sequences]
+    ids, attention_mask = to_device(torch.tensor([padded, attention]))  # [B, L] each
+    # Position t predicts token t + 1: completion token t of row i is predicted at position len(prompt i) - 1 + t
+    lengths = torch.tensor([len(c) for c in completions])  # [B]
+    mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
+    rows, columns = mask.nonzero(as_tuple=True)  # [N] each, row by row: token `columns` of completion `rows`
+    positions = torch.tensor([len(p) - 1 for p in prompts])[rows] + columns  # [N]
+    predicting = to_device(torch.stack([rows, positions]))  # [2, N]: (row, position) of each token's prediction
+    logp, entropy = logprobs_forward(model, ids, attention_mask, predicting, temperature, max_tokens)  # [N] each
+    mask = to_device(mask)
+    zeros = torch.zeros(mask.shape, device=device)
+    return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each, row by row as N
+
+
+def logprobs_forward(model, ids, attention_mask, predicting, temperature: float, max_tokens: int):
+    """One forward that returns, in place of the [B, L, V] logits, the log-probs and entropies [N] of ids[row, position
+    + 1] for the (row, position) pairs of predicting [2, N]. Hooks take the LM head's input (the final hidden states;
+    output_hidden_states would keep every layer's), hand the head no positions, and make the log-probs the model's
+    output, so that DeepSpeed's engine puts its backward hooks on what the loss uses."""
+    hf_model = getattr(model, "module", model)  # (DeepSpeed's engine holds the HF model)
+    head = hf_model.get_output_embeddings()
+    num_chunks = math.ceil(max_tokens * head.out_features / LOGPROB_CHUNK)  # (see chunked_logprobs)
+    hidden_states = []
+
+    def take_hidden_states(head, args):  # keeps the head's input and replaces it: logits for no position
+        hidden_states.append(args[0])
+        return (args[0][..., :0, :],)
+
+    def logprobs_as_output(hf_model, args, output):
+        head_hook.remove()  # (the chunks' calls of the head below are plain calls)
+        rows, positions = predicting
+        hidden = hidden_states[0][rows, positions]  # [N, H]
+        return chunked_logprobs(head, hidden, ids[rows, positions + 1], temperature, num_chunks)
+
+    head_hook = head.register_forward_pre_hook(take_hidden_states)
+    model_hook = hf_model.register_forward_hook(logprobs_as_output, prepend=True)  # (before ZeRO-3's hooks)
+    try:
+        return model(input_ids=ids, attention_mask=attention_mask)
+    finally:
+        head_hook.remove()
+        model_hook.remove()
+
+
+def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
+    """hidden [N, H], tokens [N] -> log p(token) and the entropy [N], through the LM head in num_chunks slices, each
+    slice's [n, V] logits recomputed in backward (checkpoint). num_chunks calls whatever N is (empty ones too): ZeRO-3
+    gathers the head's weight at each call, and every rank must make the same calls."""
+    size = math.ceil(len(tokens) / num_chunks)
+    parts = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
+    chunks = [checkpoint(head_logprobs, head, hidden[p], tokens[p], temperature, use_reentrant=False) for p in parts]
+    logps, entropies = zip(*chunks, strict=True)  # (log p, entropy) per chunk -> all log-probs, all entropies
+    return torch.cat(logps), torch.cat(entropies)
+
+
+def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    """One slice: hidden [n, H] -> the LM head's logits [n, V] -> log p(token) and the entropy [n]."""
+    return token_logprobs(head(hidden), tokens, temperature)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
+    """logits [..., V], tokens [...] -> log p(token) and the entropy (no grad) under softmax(logits / temperature)."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [..., V]
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
+    return logp, entropy
+
+
+def importance_weights(trainer_logp: torch.Tensor, vllm_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(p_trainer / p_vllm, cap) per token: the samples come from vLLM kernels' slightly different distribution."""
+    return torch.exp(trainer_logp - vllm_logp).clamp(max=cap)
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    denominator: float,
+    ref_logp: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.0,
+    loss_type: str = "dapo",
+) -> tuple[torch.Tensor, dict]:
+    """The clipped GRPO surrogate, and the token sums of the clip and KL metrics.
+
+    logp, old_logp, ref_logp, is_weight, mask: [B, T]; advantages: [B]. Per token, with ratio = exp(logp - old_logp):
+        loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * is_weight + beta * k3
+        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (an unbiased, never negative estimate of the KL)
+    and over the tokens of the mask, / denominator (see loss_settings):
+        grpo           the sum over sequences of each one's token mean
+        dr_grpo, dapo  the sum over tokens"""
+    mask = mask.float()
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    adv = advantages.unsqueeze(1)  # [B, 1]
+    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # [B, T]
+    if is_weight is not None:
+        per_token = per_token * is_weight
+    kl = torch.zeros_like(logp)  # [B, T]
+    if beta != 0.0:
+        log_ratio = ref_logp - logp
+        kl = torch.exp(log_ratio) - log_ratio - 1
+    per_token = (per_token + beta * kl) * mask
+    if loss_type == "grpo":
+        sequence_means = per_token.sum(1) / mask.sum(1).clamp(min=1)  # [B]
+        loss = sequence_means.sum() / denominator
+    else:
+        loss = per_token.sum() / denominator
+    clipped_low = (ratio < 1 - epsilon_low) & (adv < 0)  # the clip stopped a push down
+    clipped_high = (ratio > 1 + epsilon_high) & (adv > 0)  # the clip stopped a push up
+    sums = {
+        "clip_ratio/low": (clipped_low * mask).sum(),
+        "clip_ratio/high": (clipped_high * mask).sum(),
+        "kl": (kl * mask).detach().sum(),
+    }
+    return loss, sums
+
+
+def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, mask, entropy) -> None:
+    """THE WEIGHT-SYNC CHECK: the trainer's pre-update log-probs of the sampled tokens against vLLM's ([b, T] each):
+    kernel rounding apart when vLLM holds the weights just trained; stale weights are off by ~0.1-1."""
+    diff = (trainer_logp - vllm_logp).abs() * mask  # [b, T]
+    tokens = mask.sum()
+    stats.mean("sampling/logp_diff_mean", diff.sum(), tokens)
+    stats.max("sampling/logp_diff_max", diff.max())
+    stats.mean("sampling/is_ratio_mean", (is_weight * mask).sum(), tokens)
+    stats.max("sampling/is_ratio_max", (is_weight * mask).max())  # (no boolean index: the CPU does not wait)
+    stats.mean("entropy", (entropy * mask).sum(), tokens)
+
+
+def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
+    """The DeepSpeed config (ds_zero3.json) with its "auto" values taken from the options."""
+    adamw = ds.get("optimizer", {}).get("params", {})
+    filled = [
+        (ds, "train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
+        (ds, "gradient_accumulation_steps", cfg.gradient_accumulation_steps),
+        (ds, "train_batch_size", cfg.completions_per_rank * world_size),
+        (ds, "gradient_clipping", cfg.max_grad_norm),
+        (ds.get("bf16", {}), "enabled", bf16),
+        (adamw, "lr", cfg.learning_rate),
+        (adamw, "weight_decay", cfg.weight_decay),
+    ]
+    for section, key, value in filled:
+        if section.get(key, "auto") == "auto":
+            section[key] = value
+    return ds
+
+
+def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, train: bool = True):
+    """A ZeRO-3 engine of the model (train=False: a frozen reference), dropout off: vLLM samples without it."""
+    import deepspeed
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+
+    model_config = AutoConfig.from_pretrained(model_path)
+    for key, value in vars(model_config).items():  # attention_dropout, hidden_dropout_prob, resid_pdrop, ...
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(model_config, key, 0.0)
+    if not train:
+        ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
+    # transformers partitions the weights for ZeRO-3 as it loads them while this object is alive: keep the reference
+    zero3_while_loading = HfDeepSpeedConfig(ds_config)
+    model = AutoModelForCausalLM.from_pretrained(model_path, config=model_config, dtype=dtype)
+    for module in model.modules():  # and any nn.Dropout whose rate is not in the config
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    model.config.use_cache = False
+    if train and cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules (hooks cost CPU time per call).
+    # (A leaf's gradients are reduced by its backward hook: frozen embeddings would need enable_input_require_grads.)
+    deepspeed.utils.set_z3_leaf_modules(model, model._no_split_modules or [], raise_if_not_found=False)
+    trainable = model.parameters() if train else None
+    trainer, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=trainable)
+    del zero3_while_loading  # (kept alive until here)
+    if not train:
+        trainer.eval()
+    return trainer
+
+
+def load_training_state(trainer, checkpoint: str, ds_config: dict) -> None:
+    """Every rank's weights and optimizer state; the optimizer settings are this run's (e.g. a lower learning rate)."""
+    trainer.load_checkpoint(os.path.join(checkpoint, "deepspeed"), tag="state")
+    settings = ds_config.get("optimizer", {}).get("params", {})  # (their "auto" values filled from the options)
+    for group in trainer.optimizer.param_groups:
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if key in settings:
+                group[key] = tuple(settings[key]) if key == "betas" else settings[key]
+
+
+# ============================================================================================================== data
 SYSTEM_PROMPT = "Answer math questions. Always end with the final number inside <answer></answer>."
 # Two worked examples as chat turns: told only, a 135M model never writes <answer> tags; shown, half its samples do.
 FEW_SHOT = [
@@ -185,8 +898,7 @@ ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", 
 
 
 def arithmetic_problem(rng: random.Random) -> dict:
-    """A word problem with an exact answer; SmolLM2-135M solves ~1 in 5 at step 0. The order of the rng calls fixes
-    every problem of every published run: keep it."""
+    """A word problem with an exact answer, as a row in TRL's conversational form (SmolLM2-135M solves ~1 in 5)."""
     name = rng.choice(NAMES)
     item = rng.choice(ITEMS)
     a = rng.randint(2, 20)
@@ -208,37 +920,30 @@ def arithmetic_problem(rng: random.Random) -> dict:
         op = rng.choice(["+", "-"])
         question = f"What is {a} {op} {b}?"
         answer = a + b if op == "+" else a - b
-    return {"prompt": question, "answer": str(answer)}
-
-
-def arithmetic_row(rng: random.Random) -> dict:
-    problem = arithmetic_problem(rng)
-    question = {"role": "user", "content": problem["prompt"]}
-    return {"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, question], "answer": problem["answer"]}
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, *FEW_SHOT, {"role": "user", "content": question}]
+    return {"prompt": messages, "answer": str(answer)}
 
 
 class ArithmeticTask:
-    """The built-in task, unlimited: row i is generated from (seed, i), so it is the same on every rank and in every
-    run with that seed, and it is never one of the held-out eval rows (such a draw is redrawn). Its rows are TRL's
-    conversational form: the system prompt and worked examples as `prompt` messages, the reference as `answer`."""
+    """The built-in task, unlimited: row i is drawn from (seed, i), the same on every rank and in every run with that
+    seed, and never one of the held-out eval rows (such a draw is redrawn)."""
 
     def __init__(self, seed: int, num_eval_prompts: int):
         self.seed = seed
-        self.eval_rows = [arithmetic_row(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
+        self.eval_rows = [arithmetic_problem(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
         self.held_out = {json.dumps(row["prompt"]) for row in self.eval_rows}
 
     def __getitem__(self, i: int) -> dict:
-        row = arithmetic_row(random.Random(f"{self.seed}:{i}"))
+        row = arithmetic_problem(random.Random(f"{self.seed}:{i}"))
         redraws = 0
         while json.dumps(row["prompt"]) in self.held_out:
             redraws += 1
-            row = arithmetic_row(random.Random(f"{self.seed}:{i}:{redraws}"))
+            row = arithmetic_problem(random.Random(f"{self.seed}:{i}:{redraws}"))
         return row
 
 
 class DatasetRows:
-    """The rows of a `datasets` Dataset: the first num_eval_prompts are the held-out eval set, and training row i walks
-    the rest, in a new seeded order each epoch."""
+    """A `datasets` Dataset's rows: the first num_eval_prompts are the eval set; the rest, a new order each epoch."""
 
     def __init__(self, dataset, seed: int, num_eval_prompts: int):
         self.dataset = dataset
@@ -283,10 +988,10 @@ def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
     return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
 
 
-def prompts_for_step(source, step: int, per_rank: int, world_size: int) -> list[dict]:
+def prompts_for_step(source, step: int, prompts_per_rank: int, world_size: int) -> list[dict]:
     """This rank's rows: distinct on every rank, and a function of the step alone (exact resumes)."""
-    first = (step * world_size + RANK) * per_rank
-    return [source[first + j] for j in range(per_rank)]
+    first = (step * world_size + RANK) * prompts_per_rank
+    return [source[first + j] for j in range(prompts_per_rank)]
 
 
 def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list[int]]:
@@ -297,24 +1002,6 @@ def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list
     return tokenizer.apply_chat_template(
         conversations, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
     )
-
-
-def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
-    """Every prompt of the data (the eval rows included; of the built-in task, its eval rows, which span its lengths)
-    fits --max_prompt_length once templated: the loop cuts none, and vLLM would refuse a longer one."""
-    if isinstance(source, DatasetRows):
-        prompts = source.dataset["prompt"]  # (the whole column in one read)
-    else:  # (and its first training row: a model without a chat template fails here with --num_eval_prompts 0 too)
-        prompts = [row["prompt"] for row in [*source.eval_rows, source[0]]]
-    lengths = sorted(len(ids) for ids in encode_prompts(tokenizer, list(prompts), cfg.template_kwargs))
-    over = sum(n > cfg.max_prompt_length for n in lengths)
-    if over:
-        p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]
-        raise ConfigError(
-            f"--max_prompt_length {cfg.max_prompt_length}: {over} of {len(lengths)} prompts are longer once templated "
-            f"(longest {lengths[-1]} tokens, 99th percentile {p99}): raise it (it also sizes the KV cache of every "
-            "sequence) or filter the data"
-        )
 
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -330,8 +1017,7 @@ def extract_answer(completion: str) -> str | None:
 
 
 def correctness_reward(completions: list, answer: list[str], **kwargs) -> list[float | None]:
-    """1 if the extracted final answer equals the `answer` column (as numbers, if it is one), else 0; None (cannot
-    score) where the row has no answer."""
+    """1 if the final answer equals the `answer` column (as numbers, if it is one), else 0; None if none."""
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
         reference = "" if reference is None else str(reference).strip()
@@ -350,15 +1036,10 @@ def correctness_reward(completions: list, answer: list[str], **kwargs) -> list[f
 def format_reward(completions: list, **kwargs) -> list[float]:
     """1 for one <answer>NUMBER</answer> ending the reply, 0.5 for a tag elsewhere (spread for a small model)."""
     rewards = []
-    for completion in completions:
-        text = completion_text(completion)
+    for text in map(completion_text, completions):
         tags = ANSWER_RE.findall(text)
-        if len(tags) == 1 and ONLY_A_NUMBER_RE.fullmatch(tags[0]) and text.rstrip().endswith("</answer>"):
-            rewards.append(1.0)
-        elif "<answer>" in text:
-            rewards.append(0.5)
-        else:
-            rewards.append(0.0)
+        exact = len(tags) == 1 and ONLY_A_NUMBER_RE.fullmatch(tags[0]) and text.rstrip().endswith("</answer>")
+        rewards.append(1.0 if exact else 0.5 if "<answer>" in text else 0.0)
     return rewards
 
 
@@ -377,8 +1058,7 @@ DEFAULT_REWARD_WEIGHTS = {"format": 0.5}  # the rest: 1.0
 
 
 def reward_function(name: str):
-    """A built-in reward, or a function by its dotted import path (`my_rewards.accuracy`), found as TRL's grpo.py
-    finds one: from the working directory too."""
+    """A built-in reward, or a function by its import path (`my_rewards.accuracy`, from the working directory too)."""
     if name in REWARD_FUNCS:
         return REWARD_FUNCS[name]
     module_name, _, function_name = name.rpartition(".")
@@ -390,38 +1070,6 @@ def reward_function(name: str):
         return getattr(importlib.import_module(module_name), function_name)
 
 
-def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = "") -> torch.Tensor:
-    """The weighted total reward [B]; each function's mean over the samples it scored, and the total's, into stats.
-
-    Each function is called once, as TRL calls it: completions (text, or an assistant message for a conversational
-    prompt), prompts, completion_ids and every other column of the rows, by name (a column named like one of the
-    three is Python's TypeError). It returns a reward per sample, None where it cannot score one: the others' rewards
-    still count, and a sample that no function scores has a NaN total (group_advantages leaves it out)."""
-    completions = [
-        t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
-        for t, row in zip(r.texts, r.rows, strict=True)
-    ]
-    prompts = [row["prompt"] for row in r.rows]
-    columns = {name: [row[name] for row in r.rows] for name in (r.rows[0] if r.rows else {}) if name != "prompt"}
-    weighted = []
-    for (name, fn), weight in zip(reward_funcs.items(), weights, strict=True):
-        values = list(fn(completions=completions, prompts=prompts, completion_ids=r.completions, **columns))
-        if len(values) != len(completions):
-            raise ConfigError(
-                f"reward function {name!r} returned {len(values)} rewards for {len(completions)} samples"
-            )
-        rewards = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)  # [B]
-        scored = rewards[~rewards.isnan()]
-        stats.mean(f"{prefix}rewards/{name}", scored.sum().item(), scored.numel())
-        weighted.append(weight * rewards)
-    weighted = torch.stack(weighted)  # [functions, B]
-    unscored = weighted.isnan().all(0)  # [B]
-    total = weighted.nansum(0).masked_fill(unscored, math.nan)  # [B]
-    stats.mean(f"{prefix}reward", total.nansum().item(), (~unscored).sum().item())
-    return total
-
-
-# ---- loading the run's inputs: every rank loads them alike, so a bad one fails on every rank, before any GPU work
 @dataclass
 class Inputs:
     """What the loop reads: the data, reward functions, tokenizer and DeepSpeed config, and the resume point."""
@@ -435,9 +1083,8 @@ class Inputs:
 
 
 def load_inputs(cfg: Config, world: int) -> Inputs:
-    """The options checked, then what they name loaded, the cheapest first: a library's error while loading becomes
-    one line that names the option (`loading`). Every rank does the same, so (with a filesystem the nodes share) all
-    fail alike, and none is left waiting in a collective for another."""
+    """The options checked, then what they name loaded, the cheapest first (a library's error: one line, `loading`).
+    Every rank does the same, so all fail alike, and none is left waiting in a collective for another."""
     from transformers import AutoConfig, AutoTokenizer
 
     check_options(cfg, world)
@@ -462,8 +1109,7 @@ def load_inputs(cfg: Config, world: int) -> Inputs:
 
 
 def check_options(cfg: Config, world: int) -> None:
-    """The rows that stop a run which would otherwise fail minutes later inside vLLM or DeepSpeed, or silently train
-    wrong (argparse has checked the types and choices). The first failed row is the error."""
+    """What would fail minutes later in vLLM or DeepSpeed, or silently train wrong: the first failed row, one line."""
     for f in dataclasses.fields(cfg):  # a NaN would only show up later, as a NaN loss
         values = getattr(cfg, f.name)
         for value in values if isinstance(values, list) else [values]:
@@ -477,7 +1123,7 @@ def check_options(cfg: Config, world: int) -> None:
     tp = max(cfg.vllm_tensor_parallel_size, 1)  # (a size below 1 is refused by the first row, before any division)
     G = max(cfg.num_generations, 1)
     reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]  # (a metric's name: rewards/<name>)
-    per_rank = cfg.completions_per_rank
+    completions_per_rank = cfg.completions_per_rank
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     tp_fits = world % tp == 0 and per_node % tp == 0  # TP groups are contiguous ranks of one node
     cap = cfg.vllm_importance_sampling_clip_max
@@ -488,7 +1134,10 @@ def check_options(cfg: Config, world: int) -> None:
         (not negative, f"--{', --'.join(negative)}: must be >= 0"),
         (tp_fits, f"--vllm_tensor_parallel_size {tp} must divide the {world} ranks and the {per_node} per node"),
         (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
-        (per_rank % G == 0, f"completions per rank {per_rank} must be a multiple of --num_generations {G}"),
+        (
+            completions_per_rank % G == 0,
+            f"completions per rank {completions_per_rank} must be a multiple of --num_generations {G}",
+        ),
         (cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0"),
         (cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0 (the clipping threshold)"),
         (cfg.beta >= 0 and cfg.weight_decay >= 0, "--beta and --weight_decay must be >= 0"),
@@ -508,8 +1157,7 @@ def check_options(cfg: Config, world: int) -> None:
 
 
 def check_model(cfg: Config, model_config) -> None:
-    """What the model must allow: its heads split over the TP size, prompt + completion within its context, and
-    weights in its folder (a download or a copy cut short has a config.json without them)."""
+    """Its heads split over the TP size, prompt + completion within its context, no logit transform, weights."""
     tp = cfg.vllm_tensor_parallel_size
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
@@ -531,8 +1179,7 @@ def check_model(cfg: Config, model_config) -> None:
 
 
 def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
-    """The checkpoint --resume names (latest: output_dir's newest) -> (its folder, the step to continue from), checked
-    against this run."""
+    """--resume (latest: output_dir's newest) -> its folder and the step to continue from, checked against this run."""
     path = cfg.resume
     if path == "latest":
         path = (checkpoints(cfg.output_dir) or [None])[-1]
@@ -557,8 +1204,7 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
 
 
 def check_output_dir(cfg: Config) -> None:
-    """output_dir exists, and holds no other run: one with metrics or checkpoints takes only --resume latest or one of
-    its own checkpoints (several nodes: it must be on a filesystem they share; rank 0 writes there)."""
+    """output_dir exists and holds no other run: one with metrics or checkpoints takes only a --resume of its own."""
     out = cfg.output_dir
     used = os.path.exists(os.path.join(out, "metrics.jsonl")) or glob.glob(os.path.join(out, "checkpoint-*"))
     its_own = bool(cfg.resume) and Path(cfg.resume).absolute().parent.resolve() == Path(out).resolve()
@@ -571,717 +1217,22 @@ def check_output_dir(cfg: Config) -> None:
         os.makedirs(out, exist_ok=True)
 
 
-# ========================================================================================================= GRPO math
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """rewards [B], completion k of prompt i at i * G + k -> advantages [B] and each group's reward std [B / G].
-
-    A completion's advantage is its reward minus its group's mean, divided by the group's std (+ 1e-4) when scale is
-    "group" (the unbiased std, as TRL). A NaN reward (no reward function could score the sample) takes no part in its
-    group's mean and std, and its advantage is 0 (as TRL 1.16's nanmean / nanstd): scoring it 0 would push the model
-    away from what the rewards could not judge."""
-    grouped = rewards.view(-1, num_generations)  # [B / G, G]
-    count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # [B / G, 1] the scored samples of each group
-    mean = grouped.nansum(dim=1, keepdim=True) / count  # [B / G, 1]
-    centered = grouped - mean  # [B / G, G], NaN where unscored
-    std = (centered.pow(2).nansum(dim=1) / (count.squeeze(1) - 1)).sqrt()  # [B / G]
-    advantages = centered / (std.unsqueeze(1) + 1e-4) if scale == "group" else centered
-    return advantages.view(-1).nan_to_num(0.0), std.nan_to_num(0.0)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
-    """logits [..., V], tokens [...] -> log p(token) and the entropy (no grad) under softmax(logits / temperature)."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [..., V]
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
-    return logp, entropy
-
-
-def importance_weights(trainer_logp: torch.Tensor, vllm_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """min(p_trainer / p_vllm, cap) per token: the samples come from vLLM kernels' slightly different distribution."""
-    return torch.exp(trainer_logp - vllm_logp).clamp(max=cap)
-
-
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    ref_logp: torch.Tensor | None = None,
-    is_weight: torch.Tensor | None = None,
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    beta: float = 0.0,
-    loss_type: str = "dapo",
-    max_completion_length: int | None = None,
-    num_sequences: int | None = None,
-    num_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """The clipped GRPO surrogate, and the token sums of the clip and KL metrics.
-
-    logp, old_logp, ref_logp, is_weight, mask: [B, T]; advantages: [B]. Per token, with ratio = exp(logp - old_logp):
-        loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * is_weight + beta * k3
-        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (an unbiased, never negative estimate of the KL)
-    and over the tokens of the mask:
-        grpo     the sum over sequences of each one's token mean, / num_sequences
-        dr_grpo  the sum over tokens / (num_sequences * max_completion_length)
-        dapo     the sum over tokens / num_tokens
-    num_sequences and num_tokens default to this batch's; the training loop passes the whole step's."""
-    mask = mask.float()
-    ratio = torch.exp(logp - old_logp)  # [B, T]
-    adv = advantages.unsqueeze(1)  # [B, 1]
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # [B, T]
-    if is_weight is not None:
-        per_token = per_token * is_weight
-    kl = torch.zeros_like(logp)  # [B, T]
-    if beta != 0.0:
-        log_ratio = ref_logp - logp
-        kl = torch.exp(log_ratio) - log_ratio - 1
-    per_token = (per_token + beta * kl) * mask
-    if num_sequences is None:
-        num_sequences = mask.shape[0]
-    if loss_type == "grpo":
-        sequence_means = per_token.sum(1) / mask.sum(1).clamp(min=1)  # [B]
-        loss = sequence_means.sum() / num_sequences
-    elif loss_type == "dr_grpo":
-        loss = per_token.sum() / (num_sequences * max_completion_length)
-    else:  # dapo
-        if num_tokens is None:
-            num_tokens = mask.sum().clamp(min=1)
-        loss = per_token.sum() / num_tokens
-    clipped_low = (ratio < 1 - epsilon_low) & (adv < 0)  # the clip stopped a push down
-    clipped_high = (ratio > 1 + epsilon_high) & (adv > 0)  # the clip stopped a push up
-    sums = {
-        "clip_ratio/low": (clipped_low * mask).sum(),
-        "clip_ratio/high": (clipped_high * mask).sum(),
-        "kl": (kl * mask).detach().sum(),
-    }
-    return loss, sums
-
-
-# ======================================================================================================= co-location
-# With external_launcher, vLLM starts no processes of its own: every torchrun rank runs the engine's worker in its
-# own process, on its own GPU, inside the process group torchrun made. A TP group's ranks hold one engine together.
-def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
-    """Contiguous ranks share an engine (vLLM's own layout): world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
-    return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
-
-
-def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype: torch.dtype) -> int:
-    """A KV cache for num_seqs sequences of seq_len tokens (+ one 16-token block): all that an engine running at most
-    num_seqs can use, and less memory for wake_up and sleep to map and unmap than a share of the GPU would be."""
-    from transformers import AutoConfig
-
-    text_config = AutoConfig.from_pretrained(model_path).get_text_config()
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    kv_heads_here = max(1, kv_heads // tp)  # this rank's share (replicated when there are fewer heads than ranks)
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    bytes_per_token = 2 * text_config.num_hidden_layers * kv_heads_here * head_dim * dtype.itemsize  # K and V
-    return bytes_per_token * num_seqs * (seq_len + 16)
-
-
-def hide_expected_load_warnings(record: logging.LogRecord) -> bool:
-    """vLLM warns at every push about modules without checkpoint weights (the rotary embedding, a tied lm_head): that
-    is expected; a push that misses a weight stops the run at the first push (check_push_loaded_everything)."""
-    return not re.search(r"(RotaryEmbedding|ParallelLMHead): Failed to load weights", record.getMessage())
-
-
-def build_vllm(cfg: Config, model_path: str, sleep_mode: bool, dtype: torch.dtype):
-    """This rank's in-process engine; the ranks of a TP group build one engine together, with one seed."""
-    from vllm import LLM
-
-    tp = cfg.vllm_tensor_parallel_size
-    max_model_len = cfg.max_prompt_length + cfg.max_completion_length
-    # the engine runs one step's batch of its whole TP group at once (evaluate sends batches no larger)
-    max_num_seqs = cfg.completions_per_rank * tp
-    gpu_only = {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization} if ON_GPU else {}
-    llm = LLM(
-        model=model_path,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="external_launcher",
-        seed=cfg.seed + RANK // tp,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(max_num_seqs, min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len)),
-        kv_cache_memory_bytes=kv_cache_bytes(model_path, tp, max_num_seqs, max_model_len, dtype),
-        enable_sleep_mode=sleep_mode,
-        logprobs_mode="processed_logprobs",  # the log-probs after temperature, as the trainer computes them
-        enforce_eager=cfg.vllm_enforce_eager or not ON_GPU,  # on CPU, compiling takes minutes
-        # On GPU: CUDA graphs of the decode steps (2.6x faster generation) of the model as it is: no torch.compile at
-        # start-up (mode 0 = CompilationMode.NONE), and less graph memory, which sleep cannot free.
-        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
-        use_tqdm_on_load=False,
-        **gpu_only,
-    )
-    for handler in logging.getLogger("vllm").handlers:  # (the handler exists once the engine is built)
-        handler.addFilter(hide_expected_load_warnings)
-    return llm
-
-
-def sampling_params(n: int, temperature: float, max_tokens: int):
-    """Token ids and the sampled tokens' log-probs (logprobs=0) as flat lists, not an object per token, and no text:
-    vLLM's per-token detokenizing would run in this process between decode steps (collect_rollouts decodes once)."""
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0, detokenize=False, flat_logprobs=True
-    )
-
-
-def step_seed(seed: int, step: int, engine: int) -> int:
-    """The first sampling seed of one engine's step, a function of (seed, step, engine) and not of the engine's
-    history, so that a resumed run samples what the uninterrupted one did. crc32 hashes the three into 32 bits; the
-    shift by 20 leaves the step 2**20 consecutive seeds for its samples (generate adds i * n + k)."""
-    return zlib.crc32(f"{seed}:{step}:{engine}".encode()) << 20
-
-
-def exchange_prompts(prompt_ids: list[list[int]], tp_group, tp: int) -> tuple[list[list[int]], int]:
-    """The prompts of every rank of this TP group, in rank order, and where this rank's own begin in that list."""
-    if tp == 1:
-        return prompt_ids, 0
-    per_rank = [None] * tp
-    dist.all_gather_object(per_rank, prompt_ids, group=tp_group)
-    start = sum(len(prompts) for prompts in per_rank[: dist.get_rank(tp_group)])
-    return [ids for prompts in per_rank for ids in prompts], start
-
-
-def generate(llm, prompt_ids: list[list[int]], params, tp_group, tp: int, timer=None, seed: int | None = None):
-    """vLLM's outputs for this rank's prompts, in order.
-
-    A TP group's ranks feed one engine: with external_launcher each rank runs its own copy of the scheduler, so they
-    must submit the same requests in the same order with the same seeds, or their collectives go out of step. Each
-    gathers the group's prompts, the engine generates them all, and each rank keeps its own slice. With `seed`, prompt
-    i of the group samples with seed + i * n (vLLM gives its n samples seed + 0 .. n - 1)."""
-    timer = timer or PhaseTimer()
-    with timer("exchange"):
-        group_prompts, start = exchange_prompts(prompt_ids, tp_group, tp)
-    if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
-        return []
-    per_prompt = params
-    if seed is not None:  # else vLLM's GPU runner seeds each request from numpy's RNG: a resumed run would differ
-        per_prompt = [params.clone() for _ in group_prompts]
-        for i, prompt_params in enumerate(per_prompt):
-            prompt_params.seed = seed + i * params.n
-    requests = [{"prompt_token_ids": ids} for ids in group_prompts]
-    with timer("generate"):
-        outputs = llm.generate(requests, per_prompt, use_tqdm=False)
-    return outputs[start : start + len(prompt_ids)]
-
-
-@dataclass
-class Rollouts:
-    """This rank's samples of one step, one entry per completion: completion k of prompt i is entry i * G + k, the
-    layout group_advantages' view(-1, G) relies on."""
-
-    prompts: list[list[int]]  # the prompt's token ids
-    completions: list[list[int]]  # the sampled token ids, EOS included
-    vllm_logps: list[list[float]]  # vLLM's log-prob of each sampled token
-    texts: list[str]  # the completion as text
-    rows: list[dict]  # the prompt's row of the data (what the reward functions read)
-    truncated: list[bool]  # cut at max_completion_length
-
-
-def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs, tokenizer) -> Rollouts:
-    """vLLM's outputs, a list of G samples per prompt, as one flat list of completions; texts decoded in one batch."""
-    r = Rollouts(prompts=[], completions=[], vllm_logps=[], texts=[], rows=[], truncated=[])
-    for example, ids, output in zip(examples, prompt_ids, outputs, strict=True):
-        for sample in output.outputs:  # the prompt's G completions, k = 0 .. G - 1
-            r.prompts.append(ids)
-            r.completions.append(list(sample.token_ids))
-            r.vllm_logps.append(list(sample.logprobs.logprobs))
-            r.rows.append(example)
-            r.truncated.append(sample.finish_reason == "length")
-    if r.completions:  # (batch_decode of no sequences is not an empty list)
-        r.texts = tokenizer.batch_decode(r.completions, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    return r
-
-
-def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
-    """Yields (name, full tensor) for every parameter, gathered from its ZeRO-3 shards a bucket of ~bucket_bytes at a
-    time: one all-gather per bucket, not per parameter, and never the whole model at once (that runs out of memory).
-    All ranks must iterate it together. A tensor is valid only until the next bucket is gathered (the bucket is freed
-    then): the consumer copies it before asking for the next one, as vLLM's load_weights and save_model do."""
-    import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    params = list(model.named_parameters())
-    bucket = []
-    bucket_size = 0
-    for i, (name, param) in enumerate(params):
-        bucket.append((name, param))
-        bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
-        if bucket_size >= bucket_bytes or i == len(params) - 1:
-            # parameters under ZeRO-3's persistence threshold are whole already (DeepSpeed gathers them after each
-            # optimizer step): gathering them would free them on exit, for the next forward pass to gather again
-            partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
-            with deepspeed.zero.GatheredParameters(partitioned):
-                for bucket_name, bucket_param in bucket:
-                    yield bucket_name, bucket_param.data
-            bucket = []
-            bucket_size = 0
-
-
-def make_room_for_wake(wake_bytes: int) -> None:
-    """Hand torch's cached blocks back to the driver only if what vLLM maps at wake-up would not fit beside them: each
-    returned block costs a cudaFree now and a cudaMalloc in the trainer's next step."""
-    free_bytes = torch.cuda.mem_get_info()[0]
-    if wake_bytes <= 0 or free_bytes < wake_bytes + 2**30:
-        torch.cuda.empty_cache()
-
-
-def push_weights_to_vllm(llm, model, sleep_mode: bool, timer=None, wake_bytes: int = 0) -> set[str]:
-    """Make vLLM sample from the weights just trained; returns the names of the engine's parameters it loaded.
-
-    Level-2 sleep discarded vLLM's weights, so: wake the weight memory, stream the trained parameters in, wake the KV
-    cache, drop the cached prefixes (computed with the old weights). Never call reload_weights WITHOUT weights: that
-    reloads the checkpoint from disk. vLLM's model lives in this process (external_launcher), so its load_weights runs
-    here too: it pulls gathered_params, and ZeRO-3's all-gathers happen inside it, bucket by bucket."""
-    timer = timer or PhaseTimer()
-    if sleep_mode:
-        with timer("wake"):
-            make_room_for_wake(wake_bytes)
-            llm.wake_up(tags=["weights"])
-    with timer("push"):
-        weights = gathered_params(model)  # checkpoint-format tensors: vLLM fuses qkv / gate-up and cuts its TP shard
-        if ON_GPU:  # the model's own loader copies them into the engine's (unquantized) tensors in place
-            (loaded,) = llm.apply_model(lambda vllm_model: vllm_model.load_weights(weights))  # (one engine here)
-        else:
-            loaded = reload_weights_on_cpu(llm, weights)
-    if sleep_mode:
-        with timer("wake"):
-            make_room_for_wake(wake_bytes)  # the gather's buffers are in torch's cache now
-            llm.wake_up(tags=["kv_cache"])
-    llm.reset_prefix_cache()
-    return set(loaded)
-
-
-def reload_weights_on_cpu(llm, weights) -> set[str]:
-    """vLLM's CPU backend packs linear weights for its kernels: its layer-wise reload_weights packs them again. It
-    returns nothing, so the names its model's load_weights loaded are recorded on the way."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
-    load = vllm_model.load_weights
-    loaded = set()
-
-    def recording_load(named_weights):
-        names = load(named_weights)
-        loaded.update(names)
-        return names
-
-    with mock.patch.object(vllm_model, "load_weights", recording_load):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-    # ... except the tied lm_head, which keeps a stale packed copy unless it is packed anew
-    dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False)
-    return loaded
-
-
-def check_push_loaded_everything(llm, loaded: set[str]) -> None:
-    """Every parameter of the engine must come from the push: after level-2 sleep, one it skips holds whatever the
-    woken memory holds, and only logp_diff would show it. (A tied lm_head is the embedding: vLLM lists it once.)"""
-    (engine_params,) = llm.apply_model(lambda vllm_model: {name for name, _ in vllm_model.named_parameters()})
-    unloaded = sorted(engine_params - loaded)
-    if unloaded:
-        first = ", ".join(unloaded[:3])
+def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
+    """Every prompt of the data (the eval rows included; of the built-in task, its eval rows, which span its lengths)
+    fits --max_prompt_length once templated: the loop cuts none, and vLLM would refuse a longer one."""
+    if isinstance(source, DatasetRows):
+        prompts = source.dataset["prompt"]  # (the whole column in one read)
+    else:  # (and its first training row: a model without a chat template fails here with --num_eval_prompts 0 too)
+        prompts = [row["prompt"] for row in [*source.eval_rows, source[0]]]
+    lengths = sorted(len(ids) for ids in encode_prompts(tokenizer, list(prompts), cfg.template_kwargs))
+    over = sum(n > cfg.max_prompt_length for n in lengths)
+    if over:
+        p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]
         raise ConfigError(
-            f"the weight push left {len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded: {first}"
+            f"--max_prompt_length {cfg.max_prompt_length}: {over} of {len(lengths)} prompts are longer once templated "
+            f"(longest {lengths[-1]} tokens, 99th percentile {p99}): raise it (it also sizes the KV cache of every "
+            "sequence) or filter the data"
         )
-
-
-def sleep_vllm(llm) -> None:
-    """sleep(level=2) (weights discarded, KV cache freed) without the torch.cuda.empty_cache() that vLLM's allocator
-    ends it with: that hands torch's cached blocks back to the driver, for a trainer in another process; ours is this
-    process, and would cudaMalloc them again."""
-    with mock.patch("torch.cuda.empty_cache"):  # a no-op while vLLM sleeps, put back after
-        llm.sleep(level=2)
-
-
-# ======================================================================================================= the trainer
-def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
-    """The DeepSpeed config (ds_zero3.json) with its "auto" values taken from the options."""
-    adamw = ds.get("optimizer", {}).get("params", {})
-    filled = [
-        (ds, "train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
-        (ds, "gradient_accumulation_steps", cfg.gradient_accumulation_steps),
-        (ds, "train_batch_size", cfg.completions_per_rank * world_size),
-        (ds, "gradient_clipping", cfg.max_grad_norm),
-        (ds.get("bf16", {}), "enabled", bf16),
-        (adamw, "lr", cfg.learning_rate),
-        (adamw, "weight_decay", cfg.weight_decay),
-    ]
-    for section, key, value in filled:
-        if section.get(key, "auto") == "auto":
-            section[key] = value
-    return ds
-
-
-def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, train: bool = True):
-    """A ZeRO-3 engine of the model (train=False: a frozen reference), with dropout off: vLLM samples without it, and
-    the trainer must score the distribution vLLM sampled from."""
-    import deepspeed
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.integrations import HfDeepSpeedConfig
-
-    model_config = AutoConfig.from_pretrained(model_path)
-    for key, value in vars(model_config).items():  # attention_dropout, hidden_dropout_prob, resid_pdrop, ...
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(model_config, key, 0.0)
-    if not train:
-        ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
-    # transformers partitions the weights for ZeRO-3 as it loads them while this object is alive: keep the reference
-    zero3_while_loading = HfDeepSpeedConfig(ds_config)
-    model = AutoModelForCausalLM.from_pretrained(model_path, config=model_config, dtype=dtype)
-    for module in model.modules():  # and any nn.Dropout whose rate is not in the config
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-    model.config.use_cache = False
-    if train and cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules one by one (hooks cost CPU time
-    # per call). A leaf's gradients are reduced by its backward hook, so layer inputs must need grad (frozen
-    # embeddings would need enable_input_require_grads).
-    deepspeed.utils.set_z3_leaf_modules(model, model._no_split_modules or [], raise_if_not_found=False)
-    trainable = model.parameters() if train else None
-    engine, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=trainable)
-    del zero3_while_loading  # (kept alive until here)
-    if not train:
-        engine.eval()
-    return engine
-
-
-def load_training_state(engine, checkpoint: str, ds_config: dict) -> None:
-    """The weights and optimizer state of every rank from a checkpoint. DeepSpeed's load also puts back the optimizer's
-    settings as saved: this run's replace them (e.g. a lower learning rate after a NaN loss)."""
-    engine.load_checkpoint(os.path.join(checkpoint, "deepspeed"), tag="state")
-    settings = ds_config.get("optimizer", {}).get("params", {})  # (their "auto" values filled from the options)
-    for group in engine.optimizer.param_groups:
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in settings:
-                group[key] = tuple(settings[key]) if key == "betas" else settings[key]
-
-
-def sequence_logprobs(model, prompts, completions, temperature: float, device, pad_id: int, max_tokens: int):
-    """The model's log-probs and entropies of each completion's tokens, as two [B, T] tensors (T: the longest), 0 past
-    each completion's end. max_tokens: the most completion tokens a micro-batch can hold, which sets how many chunks
-    the LM head runs in (the same on every rank and step, as ZeRO-3 needs: see chunked_logprobs)."""
-
-    def to_device(host: torch.Tensor) -> torch.Tensor:  # from pinned memory: the CPU does not wait for the GPU
-        return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
-
-    sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
-    width = max(len(s) for s in sequences)
-    padded = [s + [pad_id] * (width - len(s)) for s in sequences]  # right padding
-    attention = [[1] * len(s) + [0] * (width - len(s)) for s in sequences]
-    ids, attention_mask = to_device(torch.tensor([padded, attention]))  # [B, L] each
-    # Position t predicts token t + 1: completion token t of row i is predicted at position len(prompt i) - 1 + t
-    lengths = torch.tensor([len(c) for c in completions])  # [B]
-    mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
-    rows, columns = mask.nonzero(as_tuple=True)  # [N] each, row by row: token `columns` of completion `rows`
-    positions = torch.tensor([len(p) - 1 for p in prompts])[rows] + columns  # [N]
-    predicting = to_device(torch.stack([rows, positions]))  # [2, N]: (row, position) of each token's prediction
-    logp, entropy = logprobs_forward(model, ids, attention_mask, predicting, temperature, max_tokens)  # [N] each
-    mask = to_device(mask)
-    zeros = torch.zeros(mask.shape, device=device)
-    return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each, row by row as N
-
-
-def logprobs_forward(model, ids, attention_mask, predicting, temperature: float, max_tokens: int):
-    """One forward of the model that returns, in place of its [B, L, V] logits, the log-probs and entropies [N] of the
-    tokens ids[row, position + 1] for the (row, position) pairs of predicting [2, N]. Hooks take the LM head's input
-    (the final hidden states [B, L, H]; output_hidden_states would keep every layer's) and hand the head no positions,
-    then replace the model's output: DeepSpeed's engine puts its backward hooks on what the loss uses."""
-    hf_model = getattr(model, "module", model)  # (DeepSpeed's engine holds the HF model)
-    head = hf_model.get_output_embeddings()
-    num_chunks = math.ceil(max_tokens * head.out_features / LOGPROB_CHUNK)  # (see chunked_logprobs)
-    hidden_states = []
-
-    def take_hidden_states(head, args):  # keeps the head's input and replaces it: logits for no position
-        hidden_states.append(args[0])
-        return (args[0][..., :0, :],)
-
-    def logprobs_as_output(hf_model, args, output):
-        head_hook.remove()  # (the chunks' calls of the head below are plain calls)
-        rows, positions = predicting
-        hidden = hidden_states[0][rows, positions]  # [N, H]
-        return chunked_logprobs(head, hidden, ids[rows, positions + 1], temperature, num_chunks)
-
-    head_hook = head.register_forward_pre_hook(take_hidden_states)
-    model_hook = hf_model.register_forward_hook(logprobs_as_output, prepend=True)  # (before ZeRO-3's hooks)
-    try:
-        return model(input_ids=ids, attention_mask=attention_mask)
-    finally:
-        head_hook.remove()
-        model_hook.remove()
-
-
-def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
-    """hidden [N, H], tokens [N] -> log p(token) [N] and the entropy [N], through the LM head in num_chunks slices of
-    positions. Each slice's [n, V] logits are recomputed in backward (checkpoint): one slice's logits exist at a time.
-    The head is called num_chunks times whatever N is (empty slices too): ZeRO-3 gathers its weight at each call, and
-    every rank must make the same calls in the same order."""
-    size = math.ceil(len(tokens) / num_chunks)
-    parts = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
-    chunks = [checkpoint(head_logprobs, head, hidden[p], tokens[p], temperature, use_reentrant=False) for p in parts]
-    logps, entropies = zip(*chunks, strict=True)  # (log p, entropy) per chunk -> all log-probs, all entropies
-    return torch.cat(logps), torch.cat(entropies)
-
-
-def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    """One slice: hidden [n, H] -> the LM head's logits [n, V] -> log p(token) and the entropy [n]."""
-    return token_logprobs(head(hidden), tokens, temperature)
-
-
-def train_on_rollouts(engine, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:
-    """num_iterations optimizer steps on one step's rollouts; the loss, clip and sync-check metrics go into stats. No
-    .item() per micro-batch: the CPU (busy with ZeRO-3's hooks) does not wait for the GPU before the last one."""
-    engine.train()
-    batch = cfg.per_device_train_batch_size
-    micro_batches = [slice(i, i + batch) for i in range(0, len(r.completions), batch)]
-    lengths = torch.tensor([len(c) for c in r.completions], device=device)  # [B]
-    advantages = advantages.to(device)
-    pad = torch.nn.utils.rnn.pad_sequence
-    # [b, T] per micro-batch: vLLM's log-probs of the sampled tokens, 0 past each completion's end
-    vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
-    # The loss's denominators are the whole step's, not a micro-batch's. DeepSpeed averages gradients over ranks and
-    # we sum them over micro-batches (scale_wrt_gas=False), so dapo divides by the step's tokens of all ranks / world,
-    # grpo and dr_grpo by this rank's sequences: the gradient of the whole global batch's loss.
-    tokens_per_rank = max(global_sum(lengths.sum().item(), device) / dist.get_world_size(), 1.0)
-    loss_settings = {
-        "epsilon_low": cfg.epsilon,
-        "epsilon_high": cfg.epsilon_high,
-        "beta": cfg.beta,
-        "loss_type": cfg.loss_type,
-        "max_completion_length": cfg.max_completion_length,
-        "num_sequences": len(r.completions),
-        "num_tokens": tokens_per_rank,
-    }
-
-    max_tokens = batch * cfg.max_completion_length  # (what sets the LM head's chunks: the same on every rank)
-
-    def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
-        return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id, max_tokens)
-
-    with torch.no_grad():  # [b, T] each: the policy that sampled, frozen before the first update; the reference, once
-        old_logps = [logprobs(engine, s)[0] if cfg.num_iterations > 1 else None for s in micro_batches]
-        ref_logps = [logprobs(ref, s)[0] if ref is not None else None for s in micro_batches]
-    rank_loss = 0.0  # this rank's share of the step's loss, summed over micro-batches and averaged over passes
-    rank_grad_norm = 0.0
-    for iteration in range(cfg.num_iterations):
-        for k, s in enumerate(micro_batches):
-            logp, entropy = logprobs(engine, s)  # with the autograd graph
-            old_logp = logp.detach() if old_logps[k] is None else old_logps[k]  # 1 pass: ratio 1, the policy gradient
-            positions = torch.arange(logp.shape[1], device=device)  # [T]
-            mask = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
-            is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max)  # [b, T]
-            if iteration == 0:  # the first pass is before any update: the weights vLLM sampled with
-                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, mask, entropy)
-            if not cfg.vllm_importance_sampling_correction:
-                is_weight = None
-            loss, loss_sums = grpo_loss(
-                logp, old_logp, advantages[s], mask, ref_logp=ref_logps[k], is_weight=is_weight, **loss_settings
-            )
-            engine.backward(loss, scale_wrt_gas=False)  # the denominators above already account for accumulation
-            rank_loss = rank_loss + loss.detach() / cfg.num_iterations
-            for name, token_sum in loss_sums.items():  # clip ratios and KL: means over the tokens in the loss
-                stats.mean(name, token_sum, mask.sum())
-            if k == len(micro_batches) - 1:  # before the update, while the weights are still good
-                check_finite(float(rank_loss), "loss", device)
-            engine.step()  # DeepSpeed updates at the accumulation boundary only
-        grad_norm = float(engine.get_global_grad_norm() or 0.0)  # of all ranks: the same on each
-        if not math.isfinite(grad_norm):
-            raise NonFiniteError("non-finite gradient norm; stopped")
-        rank_grad_norm += grad_norm / cfg.num_iterations
-    stats.mean("loss", rank_loss, 1)  # the mean over ranks
-    stats.mean("grad_norm", rank_grad_norm, 1)
-
-
-def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, mask, entropy) -> None:
-    """THE WEIGHT-SYNC CHECK: the trainer's pre-update log-probs of the sampled tokens against vLLM's ([b, T] each).
-    They agree but for kernel rounding when vLLM holds the weights just trained; stale weights are off by ~0.1-1."""
-    diff = (trainer_logp - vllm_logp).abs() * mask  # [b, T]
-    tokens = mask.sum()
-    stats.mean("sampling/logp_diff_mean", diff.sum(), tokens)
-    stats.max("sampling/logp_diff_max", diff.max())
-    stats.mean("sampling/is_ratio_mean", (is_weight * mask).sum(), tokens)
-    stats.max("sampling/is_ratio_max", (is_weight * mask).max())  # (no boolean index: the CPU does not wait)
-    stats.mean("entropy", (entropy * mask).sum(), tokens)
-
-
-# ================================================================================================= the training loop
-def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
-    """The rewards of greedy completions of the held-out eval set (eval/rewards/*), split over the ranks and sent to
-    vLLM (awake) in batches of one step's prompts at most, so the KV cache does not grow with the eval set."""
-    eval_rows = inputs.source.eval_rows
-    world = dist.get_world_size()
-    rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
-    batch = cfg.completions_per_rank
-    rounds = math.ceil(math.ceil(len(eval_rows) / world) / batch)  # the same on every rank of a TP group
-    greedy = sampling_params(1, 0.0, cfg.max_completion_length)
-    stats = Stats()
-    for i in range(rounds):
-        chunk = rows[i * batch : (i + 1) * batch]
-        ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.template_kwargs)
-        outputs = generate(llm, ids, greedy, tp_group, cfg.vllm_tensor_parallel_size)
-        r = collect_rollouts(chunk, ids, outputs, inputs.tokenizer)
-        if r.texts:  # (a rank with no eval rows left scores nothing)
-            score(r, inputs.reward_funcs, cfg.reward_weights, stats, prefix="eval/")
-    return stats.reduce(device)
-
-
-@dataclass
-class Setup:
-    """What `setup` builds for the loop."""
-
-    llm: object  # this rank's vLLM engine: asleep between steps in sleep mode
-    engine: object  # the policy's DeepSpeed ZeRO-3 engine
-    ref: object | None  # the frozen reference (beta > 0)
-    tp_group: object | None  # this rank's TP group (None at TP 1)
-    sleep_mode: bool
-    wake_bytes: int = 0  # what vLLM maps again at wake-up
-    memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
-
-
-def setup(cfg: Config, inputs: Inputs) -> Setup:
-    """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (with the state of the checkpoint it
-    resumes from) and the optional reference."""
-    import deepspeed
-    import deepspeed.ops
-
-    world = dist.get_world_size()
-    tp = cfg.vllm_tensor_parallel_size
-    sleep_mode = cfg.vllm_enable_sleep_mode and ON_GPU
-    dtype = torch.bfloat16 if ON_GPU else torch.float32  # float32 on CPU: the sync check is exact there
-    if cfg.vllm_enable_sleep_mode and not ON_GPU:
-        say("note: vLLM sleep mode is CUDA-only: on CPU the engine stays awake", rank0=True)
-    tp_group = None
-    if tp > 1:  # ours, for the prompt exchange only (vLLM makes its own, of the same contiguous ranks); all ranks join
-        tp_group, _ = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))
-    if not ON_GPU:  # no JIT build (g++, ~50 s) of a shared-memory op that gloo does not use
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")  # joins our process group
-    dist.barrier()  # the first collective sets NCCL up: its memory is not counted as vLLM's below
-    free_before = torch.cuda.mem_get_info()[0] if ON_GPU else 0
-    llm = build_vllm(cfg, cfg.model, sleep_mode, dtype)
-    wake_bytes = 0
-    memory = {}
-    if sleep_mode:  # what vLLM holds awake and what sleep gives back, from the device's free memory
-        awake = free_before - torch.cuda.mem_get_info()[0]
-        llm.sleep(level=2)  # vLLM's own, which ends with torch.cuda.empty_cache(): what stays is the engine's
-        asleep = free_before - torch.cuda.mem_get_info()[0]
-        wake_bytes = awake - asleep
-        memory = {
-            "memory/vllm_awake_gib": awake / 2**30,
-            "memory/vllm_asleep_gib": asleep / 2**30,
-            "memory/sleep_freed_frac": 1 - asleep / awake,
-        }
-        say(f"vLLM holds {awake / 2**30:.2f} GiB awake (KV cache: one step), {asleep / 2**30:.2f} asleep", rank0=True)
-    ds_config = fill_ds_config(inputs.ds_config, cfg, world, bf16=ON_GPU)
-    engine = build_trainer(cfg, cfg.model, ds_config, dtype)
-    ref = build_trainer(cfg, cfg.model, ds_config, dtype, train=False) if cfg.beta != 0.0 else None
-    if inputs.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
-        load_training_state(engine, inputs.resume_dir, ds_config)
-        say(f"resumed from {inputs.resume_dir}: continuing at step {inputs.first_step}", rank0=True)
-    gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
-    per_rank = cfg.completions_per_rank
-    G = cfg.num_generations
-    say(
-        f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {per_rank} completions/rank/step ({per_rank // G} prompts "
-        f"x {G}) | sleep mode {sleep_mode} | {engine.module.dtype}",
-        rank0=True,
-    )
-    return Setup(llm, engine, ref, tp_group, sleep_mode, wake_bytes, memory)
-
-
-def train(cfg: Config, inputs: Inputs, parts: Setup, run_log: RunLog, device: torch.device) -> None:
-    """max_steps GRPO steps, the final model; a checkpoint every save_steps and when a signal asks the run to stop."""
-    world = dist.get_world_size()
-    tp = cfg.vllm_tensor_parallel_size
-    G = cfg.num_generations
-    per_rank = cfg.completions_per_rank
-    sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
-    pad_id = inputs.tokenizer.pad_token_id or 0
-    for step in range(inputs.first_step, cfg.max_steps):
-        if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
-            return stop_and_save(parts, inputs, cfg, step)
-        timer = PhaseTimer(sync=ON_GPU)
-        step_start = time.perf_counter()
-        # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
-        try:
-            loaded = push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode, timer, parts.wake_bytes)
-        except (KeyError, ValueError) as e:  # vLLM's loader refusing a name of the trainer's model
-            raise ConfigError(f"--model {cfg.model}: vLLM's loader: {type(e).__name__}: {str(e)[:200]}") from None
-        if step == inputs.first_step:  # the names never change: the first push shows that every weight arrives
-            check_push_loaded_everything(parts.llm, loaded)
-        metrics = {"step": step}
-        with timer("eval"):
-            if eval_due(cfg, step):
-                metrics.update(evaluate(parts.llm, inputs, cfg, parts.tp_group, device))
-        # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
-        examples = prompts_for_step(inputs.source, step, per_rank // G, world)
-        prompts = [example["prompt"] for example in examples]
-        prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
-        seed = step_seed(cfg.seed, step, RANK // tp)
-        outputs = generate(parts.llm, prompt_ids, sampling, parts.tp_group, tp, timer, seed)
-        with timer("generate"):  # (decoding the texts)
-            rollouts = collect_rollouts(examples, prompt_ids, outputs, inputs.tokenizer)
-        if parts.sleep_mode:
-            with timer("sleep"):
-                sleep_vllm(parts.llm)  # what generation cached in torch's allocator, the trainer reuses
-        # a safe point: the samples are dropped, and the resumed run draws them again, with the same seeds
-        if stop_requested(device):
-            return stop_and_save(parts, inputs, cfg, step)
-        # ---- 3. rewards -> group-relative advantages
-        stats = Stats()
-        with timer("reward"):
-            rewards = score(rollouts, inputs.reward_funcs, cfg.reward_weights, stats)
-            advantages, group_std = group_advantages(rewards, G, cfg.scale_rewards)
-        if eval_due(cfg, step):
-            print_samples(rollouts, rewards, advantages, cfg.num_completions_to_print)
-        # ---- 4. the policy update
-        try:
-            with timer("train"):  # the trainer's forward, backward and optimizer step
-                train_on_rollouts(parts.engine, parts.ref, rollouts, advantages, cfg, device, pad_id, stats)
-        except NonFiniteError as e:
-            last = (checkpoints(cfg.output_dir) or ["none"])[-1]
-            raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
-        # ---- 5. the metrics of all ranks
-        add_rollout_stats(stats, rollouts, group_std, prompts)
-        metrics.update(stats.reduce(device))
-        metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, world * per_rank, metrics))
-        if step == inputs.first_step:
-            metrics.update(parts.memory)
-        if ON_GPU:  # this process's peak so far: the trainer's memory and vLLM's pool
-            metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-        run_log.log(metrics)
-        # ---- 6. a checkpoint when due
-        if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
-            save_checkpoint(parts.engine, inputs.tokenizer, cfg, step + 1)
-    # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
-    if eval_due(cfg, 0) and not stop_requested(device):
-        push_weights_to_vllm(parts.llm, parts.engine.module, parts.sleep_mode)
-        run_log.log({"step": cfg.max_steps, **evaluate(parts.llm, inputs, cfg, parts.tp_group, device)})
-        if parts.sleep_mode:
-            sleep_vllm(parts.llm)
-    save_model(parts.engine.module, inputs.tokenizer, os.path.join(cfg.output_dir, "final"))
-    say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
-
-
-def eval_due(cfg: Config, step: int) -> bool:
-    return cfg.eval_steps > 0 and cfg.num_eval_prompts > 0 and step % cfg.eval_steps == 0
-
-
-def stop_and_save(parts: Setup, inputs: Inputs, cfg: Config, step: int) -> None:
-    """A signal asked the run to stop before `step`: save what the steps before it trained, unless saved already."""
-    if step == inputs.first_step:
-        say(f"stopped by a signal before step {step}: nothing new to save", rank0=True)
-        return
-    path = os.path.join(cfg.output_dir, f"checkpoint-{step}")
-    if not (cfg.save_steps > 0 and step % cfg.save_steps == 0):  # (else saved after the last step already)
-        save_checkpoint(parts.engine, inputs.tokenizer, cfg, step)
-    say(f"stopped by a signal after step {step - 1}: saved {path}; resume with --resume latest", rank0=True)
 
 
 # ========================================================================================================== plumbing
@@ -1343,13 +1294,13 @@ def save_model(model, tokenizer, out_dir: str) -> None:
     dist.barrier()
 
 
-def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> None:
-    """checkpoint-{step}: the HF folder, every rank's ZeRO-3 state and trainer_state.json (what an exact resume needs),
-    written as checkpoint-{step}.tmp and renamed once complete: a checkpoint-N folder is a complete one."""
+def save_checkpoint(trainer, tokenizer, cfg: Config, step: int) -> None:
+    """checkpoint-{step}: the HF folder, every rank's ZeRO-3 state and trainer_state.json (an exact resume), written
+    as checkpoint-{step}.tmp and renamed once complete."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
-    save_model(engine.module, tokenizer, tmp)
-    engine.save_checkpoint(os.path.join(tmp, "deepspeed"), tag="state")
+    save_model(trainer.module, tokenizer, tmp)
+    trainer.save_checkpoint(os.path.join(tmp, "deepspeed"), tag="state")
     dist.barrier()
     if RANK == 0:
         state = {"step": step, "world_size": dist.get_world_size()}
@@ -1362,8 +1313,7 @@ def save_checkpoint(engine, tokenizer, cfg: Config, step: int) -> None:
 
 
 def prune_checkpoints(output_dir: str, step: int, limit: int | None) -> None:
-    """Once checkpoint-{step} is complete: the saves cut short before it (a crash, a kill), and all but the newest
-    `limit` checkpoints up to it (--save_total_limit)."""
+    """Once checkpoint-{step} is complete: the saves cut short before it, and all but the newest `limit` up to it."""
     for name in os.listdir(output_dir):
         cut_short = re.fullmatch(r"checkpoint-(\d+)\.tmp", name)
         if cut_short and int(cut_short.group(1)) <= step:
@@ -1391,9 +1341,9 @@ STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop
 
 
 def request_stop(signum, frame):
-    """SIGINT / SIGTERM: the run stops at its next safe point and saves what it trained (see train); a second SIGINT
-    (Ctrl-C twice) ends the process at once. A second SIGTERM changes nothing: schedulers may send one to every
-    process of the job and one to its launcher, which hands it on."""
+    """SIGINT / SIGTERM: stop at the next safe point and save (see train). A second SIGINT ends the process at once; a
+    second SIGTERM changes nothing (schedulers may send one to each process and one to the launcher, which hands it
+    on)."""
     global STOP_REQUESTED
     STOP_REQUESTED = True
     if signum == signal.SIGINT:
@@ -1477,14 +1427,14 @@ def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list) -> No
 
 
 def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> dict:
-    """Each phase's seconds, the price of co-location (wake + push + sleep + the prompt exchange), throughputs."""
+    """Each phase's seconds, the price of co-location (push, its wake-ups included, + sleep), throughputs."""
     tokens = metrics["completions/total_tokens"]
     out = {f"time/{phase}": seconds for phase, seconds in t.items()}
     out["time/step"] = step_seconds
-    out["time/overhead"] = sum(t.get(phase, 0.0) for phase in ("wake", "push", "sleep", "exchange"))
+    out["time/overhead"] = t["push"] + t.get("sleep", 0.0)
     out["samples_per_sec"] = samples / step_seconds
     out["tokens_per_sec"] = tokens / step_seconds
-    out["generate_tokens_per_sec"] = tokens / (t["generate"] + t["exchange"])
+    out["generate_tokens_per_sec"] = tokens / t["generate"]
     return out
 
 
@@ -1553,10 +1503,8 @@ class RunLog:
     def close(self, failed: bool = False) -> None:
         """Each tracker's run ends; wandb marks a run that ended in an error as failed."""
         for name, run in self.trackers:
-            if failed and name == "wandb":
-                run.finish(exit_code=1)
-            else:
-                run.finish()
+            marked = {"exit_code": 1} if failed and name == "wandb" else {}
+            run.finish(**marked)
 
 
 # --------------------------------------------------------------------------------------------- main
@@ -1575,10 +1523,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         inputs = load_inputs(cfg, dist.get_world_size())
         torch.manual_seed(cfg.seed)
-        parts = setup(cfg, inputs)
+        colo = setup(cfg, inputs)
         run_log = RunLog(cfg, inputs.first_step)  # (rank 0's trackers start a run once set-up has worked)
         try:
-            train(cfg, inputs, parts, run_log, device)
+            train(cfg, inputs, colo, run_log, device)
         except BaseException:
             run_log.close(failed=True)  # wandb marks the run failed; the error goes on
             raise
