@@ -6,18 +6,16 @@ cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-pr
 (distributed_executor_backend="external_launcher") on the GPU of its DeepSpeed ZeRO-3 trainer; the two take turns.
 
 Reading index. `setup` makes the tensor-parallel (TP) groups (`tp_group_layout`), this rank's engine (`build_vllm`),
-puts it to sleep (`sleep_after_build`) and builds the trainer (`build_trainer`). One step of `train`:
+puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). One step of `train`:
   1. wake vLLM and push the trained weights into it (`push_weights_to_vllm`, through `gathered_params`);
   2. exchange prompts in the TP group, generate G completions each (`generate`), sleep(level=2) (`sleep_vllm`);
   3. rewards (`score`) -> group-relative advantages (`group_advantages`);
   4. the trainer's log-probs (`sequence_logprobs`), the clipped loss (`grpo_loss`; denominators: `loss_settings`),
      backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`): the trainer's
      log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights in vLLM show.
-The mechanisms follow `train` in that order; then the data, then the plumbing. Where this differs from the paper and
-from TRL 1.16's GRPOTrainer: README.md, "Deviations from TRL".
-
-Launch (`bash run.sh` installs, builds an offline copy of the default model and runs this; add --save_steps 50, and
-after a stop or a crash --resume latest; SIGTERM or SIGINT stops at the next safe point with a checkpoint, status 0):
+The mechanisms follow `train` in that order, then the data, then the plumbing. Deviations from the paper and from TRL
+1.16: README.md, "Deviations from TRL". Launch (`bash run.sh` does it; --save_steps 50, and --resume latest after a
+stop or a crash; SIGTERM or SIGINT stops at the next safe point with a checkpoint, exit status 0):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
@@ -26,10 +24,8 @@ after a stop or a crash --resume latest; SIGTERM or SIGINT stops at the next saf
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import glob
-import importlib
 import importlib.util
 import json
 import logging
@@ -46,7 +42,7 @@ import warnings
 import zlib
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
@@ -93,9 +89,7 @@ class Config:
     num_eval_prompts: int = HfArg(default=128, help="held-out prompts, scored greedily, never trained on")
     eval_steps: int = HfArg(default=10, help="score the eval set every this many steps and at the end; 0 = never")
     seed: int = HfArg(default=0, help="seed of the data order, torch and vLLM sampling")
-
-    # --- one step: each rank samples per_device_train_batch_size x gradient_accumulation_steps completions, in groups
-    # of num_generations. ZeRO-3's Python costs the same per micro-batch whatever its size: use the largest that fits.
+    # --- one step (ZeRO-3's Python costs the same per micro-batch whatever its size: use the largest that fits)
     max_steps: int = HfArg(default=200, help="GRPO steps (one generation round each)")
     num_generations: int = HfArg(default=8, help="completions sampled per prompt (the group size G)")
     per_device_train_batch_size: int = HfArg(default=32, help="completions per rank per forward/backward micro-batch")
@@ -104,12 +98,10 @@ class Config:
     max_completion_length: int = HfArg(default=128, help="maximum new tokens per completion")
     temperature: float = HfArg(default=1.0, help="sampling temperature (the trainer's log-probs use the same)")
     chat_template_kwargs: str | None = HfArg(default=None, help="a JSON object for every apply_chat_template call")
-
     # --- the optimizer: AdamW at a constant learning rate (its betas are in ds_zero3.json)
     learning_rate: float = HfArg(default=1e-5, help="AdamW learning rate")
     weight_decay: float = HfArg(default=0.0, help="AdamW weight decay")
     max_grad_norm: float = HfArg(default=1.0, help="gradient clipping")
-
     # --- the loss
     beta: float = HfArg(default=0.0, help="KL coefficient to a frozen reference model (k3); 0 = no reference model")
     epsilon: float = HfArg(default=0.2, help="lower clip range: ratio >= 1 - epsilon")
@@ -119,17 +111,15 @@ class Config:
     num_iterations: int = HfArg(default=1, help="optimizer passes per generated batch (> 1: clipping acts)")
     reward_funcs: list[str] = HfArg(default_factory=lambda: ["correctness", "format"], help="built-ins or module.fn")
     reward_weights: list[float] | None = HfArg(default=None, help="one per reward function (default 1, format 0.5)")
-    # vLLM's kernels sample from a slightly different distribution than the trainer computes: reweight each token
+    # (vLLM's kernels sample from a slightly different distribution than the trainer computes)
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
-
     # --- vLLM
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
-    # the KV cache is sized to one step's batch; this share of the GPU is only what vLLM checks is free at start-up
+    # (the KV cache is sized to one step's batch: this share is only what vLLM checks is free at start-up)
     vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts only if this share of the GPU is free")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory while training (CUDA only)")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
-
     # --- DeepSpeed, output, checkpoints
     deepspeed_config: str = HfArg(default=DS_ZERO3, help='the DeepSpeed config; "auto" values from the options')
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass")
@@ -176,7 +166,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device: torch.device) -> None:
     """max_steps GRPO steps, then the final model; a checkpoint every save_steps and when a signal asks to stop."""
     world = dist.get_world_size()
-    tp = cfg.vllm_tensor_parallel_size
     G = cfg.num_generations
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
     pad_id = inputs.tokenizer.pad_token_id or 0
@@ -203,7 +192,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         prompts = [example["prompt"] for example in examples]
         prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
         with timer("generate"):  # the TP group's prompt exchange, generation, the texts decoded
-            seed = step_seed(cfg.seed, step, tp_group_index=RANK // tp)
+            seed = step_seed(cfg.seed, step, tp_group_index=RANK // cfg.vllm_tensor_parallel_size)
             outputs = generate(colo.llm, prompt_ids, sampling, colo.tp_group, seed)
             rollouts = collect_rollouts(examples, prompt_ids, outputs, inputs.tokenizer)
         if colo.sleep_mode:
@@ -281,8 +270,7 @@ def setup(cfg: Config, inputs: Inputs) -> Colocation:
     deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")  # joins our process group
     dist.barrier()  # the first collective sets NCCL up: its memory is not counted as vLLM's below
     free_before = torch.cuda.mem_get_info()[0] if ON_GPU else 0
-    # The engine runs one step's batch of its whole TP group at once (evaluate sends none larger). On CPU it runs
-    # eagerly: compiling takes minutes there.
+    # (the engine runs one step's batch of its TP group at once; on CPU eagerly: compiling takes minutes there)
     options = {"enable_sleep_mode": sleep_mode, "enforce_eager": cfg.vllm_enforce_eager or not ON_GPU}
     if ON_GPU:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
@@ -314,8 +302,7 @@ def evals_enabled(cfg: Config) -> bool:
 
 
 def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
-    """The rewards of greedy completions of the held-out eval set, split over the ranks and sent to vLLM (awake) in
-    batches of one step's prompts at most: the KV cache holds no more."""
+    """Rewards of greedy completions of the eval set, split over the ranks, sent in batches the KV cache holds."""
     eval_rows = inputs.source.eval_rows
     world = dist.get_world_size()
     rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
@@ -345,18 +332,16 @@ def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> N
 
 
 # ======================================================================================================= co-location
-# With external_launcher, vLLM starts no processes of its own: every torchrun rank runs the engine's worker in its
-# own process, on its own GPU, inside the process group torchrun made. A TP group's ranks hold one engine together.
-# These functions take plain arguments (no Config): they copy into another trainer as they are.
+# With external_launcher, vLLM starts no processes: each torchrun rank runs the engine's worker in its own process and
+# process group; a TP group's ranks hold one engine. Plain arguments (no Config): these copy into another trainer.
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
     """Contiguous ranks share an engine, as vLLM lays them out: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
 
 
 def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model_len: int, dtype, **llm_options):
-    """This rank's in-process engine; the ranks of a TP group build one engine together, with one seed. Its KV cache
-    holds max_num_seqs sequences of max_model_len tokens: what a step's batch needs, whatever the GPU's size.
-    llm_options: more of vLLM's LLM arguments (enable_sleep_mode, enforce_eager, gpu_memory_utilization)."""
+    """This rank's in-process engine, built by a TP group's ranks together, with one seed; a KV cache of max_num_seqs
+    sequences of max_model_len tokens. llm_options: enable_sleep_mode, enforce_eager, gpu_memory_utilization, ..."""
     from vllm import LLM
 
     return LLM(
@@ -370,8 +355,7 @@ def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model
         max_num_batched_tokens=max(max_num_seqs, min(MAX_NUM_BATCHED_TOKENS, max_num_seqs * max_model_len)),
         kv_cache_memory_bytes=kv_cache_bytes(model_path, tp, max_num_seqs, max_model_len, dtype),
         logprobs_mode="processed_logprobs",  # the log-probs after temperature, as the trainer computes them
-        # CUDA graphs of the decode steps (2.6x faster generation) of the model as it is: no torch.compile at start-up
-        # (mode 0 = CompilationMode.NONE), and less graph memory, which sleep cannot free.
+        # CUDA graphs of the decode steps (2.6x faster generation), no torch.compile (mode 0), less graph memory
         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"},
         use_tqdm_on_load=False,
         **llm_options,
@@ -390,11 +374,10 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
     return bytes_per_token * num_seqs * (seq_len + 16)
 
 
-# The two sleeps. Both are level 2: vLLM discards its weights and frees its KV cache (the next push wakes it and
-# loads the weights anew). The first, once after the build, is vLLM's own llm.sleep(level=2), which ends with
-# torch.cuda.empty_cache(): the device's free memory then shows what the engine keeps asleep. Every sleep after a
-# step's generation is sleep_vllm: the same sleep without that empty_cache, which would hand the blocks in torch's
-# cache back to the driver for a trainer in another process; ours is this process and would cudaMalloc them again.
+# The two sleeps, both level 2: vLLM discards its weights and frees its KV cache (the next push wakes it and loads the
+# weights). The first, after the build, is vLLM's own llm.sleep, which ends with torch.cuda.empty_cache(): the free
+# memory then shows what the engine keeps asleep. Each sleep after generating is sleep_vllm, without that empty_cache,
+# which hands torch's cached blocks to the driver for a trainer in another process: ours would cudaMalloc them again.
 def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
@@ -411,10 +394,9 @@ def sleep_vllm(llm) -> None:
 
 def push_weights_to_vllm(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
     """Make vLLM sample from the weights just trained; returns the names of the engine's parameters it loaded.
-    Level-2 sleep discarded vLLM's weights, so: wake the weight memory, stream the trained parameters in, wake the KV
-    cache, drop the cached prefixes. Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk.
-    vLLM's model is in this process (external_launcher): its load_weights pulls gathered_params, bucket by bucket.
-    wake_bytes: what vLLM maps at wake-up (0: unknown)."""
+    Level-2 sleep discarded vLLM's weights, so: wake the weight memory, stream the trained parameters in (vLLM's model
+    is in this process), wake the KV cache (wake_bytes: its size, 0 unknown), drop the cached prefixes. Never call
+    reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
     if sleep_mode:
         make_room_for_wake(wake_bytes)
         llm.wake_up(tags=["weights"])
@@ -431,9 +413,8 @@ def push_weights_to_vllm(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> s
 
 
 def make_room_for_wake(wake_bytes: int) -> None:
-    """Hand torch's cached blocks back to the driver only if what vLLM maps at wake-up would not fit beside them (each
-    costs a cudaFree now and a cudaMalloc in the trainer's next step), with 1 GiB to spare for what generation
-    allocates outside vLLM's pool: a batch's logits and sampler buffers (0.15 GiB: 256 sequences, 152k vocabulary)."""
+    """Give torch's cached blocks back (a cudaFree now, a cudaMalloc in the next step) only if vLLM's wake-up needs the
+    room, plus 1 GiB for what generation allocates outside vLLM's pool (logits: 0.15 GiB at 256 x 152k tokens)."""
     if not ON_GPU:  # (no sleep elsewhere)
         return
     if wake_bytes <= 0 or torch.cuda.mem_get_info()[0] < wake_bytes + 2**30:
@@ -441,32 +422,27 @@ def make_room_for_wake(wake_bytes: int) -> None:
 
 
 def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
-    """Yields (name, full tensor) for every parameter, gathered from its ZeRO-3 shards ~bucket_bytes at a time: one
-    all-gather per bucket, never the whole model at once. All ranks iterate it together. A tensor is valid until the
-    next bucket is gathered: the consumer copies it first, as vLLM's load_weights and save_model do."""
+    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time by all ranks
+    together. A tensor is valid until the next bucket: the consumer copies it (vLLM's load_weights, save_model)."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     params = list(model.named_parameters())
     bucket = []
-    bucket_size = 0
     for i, (name, param) in enumerate(params):
         bucket.append((name, param))
-        bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
-        if bucket_size >= bucket_bytes or i == len(params) - 1:
-            # Small parameters (under ZeRO-3's persistence threshold) stay whole after each optimizer step. Gathering
-            # them here would free them on exit, and the next forward pass would gather them again.
+        full_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in bucket)  # not the shards'
+        if full_bytes >= bucket_bytes or i == len(params) - 1:
+            # (small parameters stay whole after an optimizer step: gathered here, they would be freed on exit)
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
                 for bucket_name, bucket_param in bucket:
                     yield bucket_name, bucket_param.data
             bucket = []
-            bucket_size = 0
 
 
 def reload_weights_on_cpu(llm, weights) -> set[str]:
-    """vLLM's CPU backend packs linear weights for its kernels: its layer-wise reload_weights packs them again (the
-    names its model's load_weights loaded are recorded on the way: reload_weights returns none)."""
+    """vLLM's CPU backend packs linear weights: its reload_weights packs them again (the loaded names: recorded)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
@@ -491,15 +467,12 @@ def check_push_loaded_everything(llm, loaded: set[str]) -> None:
     (engine_params,) = llm.apply_model(lambda vllm_model: {name for name, _ in vllm_model.named_parameters()})
     unloaded = sorted(engine_params - loaded)
     if unloaded:
-        first = ", ".join(unloaded[:3])
-        raise ConfigError(
-            f"the weight push left {len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded: {first}"
-        )
+        gap = f"{len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded: {', '.join(unloaded[:3])}"
+        raise ConfigError(f"the weight push left {gap}")
 
 
 def sampling_params(n: int, temperature: float, max_tokens: int):
-    """Token ids and the sampled tokens' log-probs (logprobs=0) as flat lists, not an object per token, and no text:
-    vLLM's per-token detokenizing would run in this process between decode steps (collect_rollouts decodes once)."""
+    """Token ids and flat log-probs of the sampled tokens, no text: vLLM's detokenizing runs between decode steps."""
     from vllm import SamplingParams
 
     return SamplingParams(
@@ -508,17 +481,15 @@ def sampling_params(n: int, temperature: float, max_tokens: int):
 
 
 def step_seed(seed: int, step: int, tp_group_index: int) -> int:
-    """The first sampling seed of a TP group's engine in a step: a function of (seed, step, group), not of the engine's
-    history, so a resumed run samples as the uninterrupted one did. The step's samples take the 2**20 seeds from here
-    on (generate adds i * n + k): the hash is shifted by 20 bits."""
+    """The first sampling seed of a TP group's engine in a step, not its history's (a resumed run samples the same):
+    the hash, shifted by 20 bits, leaves the step's samples 2**20 seeds (generate adds i * n + k)."""
     return zlib.crc32(f"{seed}:{step}:{tp_group_index}".encode()) << 20
 
 
 def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | None = None):
-    """vLLM's outputs for this rank's prompts, in order (tp_group: None at TP 1). A TP group's ranks feed one engine:
-    with external_launcher each rank runs its own copy of the scheduler, so they must submit the same requests in the
-    same order with the same seeds, or their collectives go out of step. Each gathers the group's prompts, the engine
-    generates them all, each rank keeps its slice. Prompt i of the group samples with seed + i * n (+ 0 .. n - 1)."""
+    """vLLM's outputs for this rank's prompts (tp_group: None at TP 1). A TP group's ranks each run a copy of the
+    scheduler (external_launcher): they submit the same requests in the same order with the same seeds, or their
+    collectives go out of step. Prompt i of the group's list samples with seed + i * n (+ 0 .. n - 1)."""
     group_prompts, start = exchange_prompts(prompt_ids, tp_group)
     if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
         return []
@@ -544,8 +515,7 @@ def exchange_prompts(prompt_ids: list[list[int]], tp_group) -> tuple[list[list[i
 
 @dataclass
 class Rollouts:
-    """This rank's samples of one step, one entry per completion: completion k of prompt i is entry i * G + k, the
-    layout group_advantages' view(-1, G) relies on."""
+    """This rank's samples of a step: completion k of prompt i is entry i * G + k (group_advantages' view(-1, G))."""
 
     prompts: list[list[int]]  # the prompt's token ids
     completions: list[list[int]]  # the sampled token ids, EOS included
@@ -572,10 +542,9 @@ def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs,
 
 # ========================================================================================== rewards and advantages
 def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = "") -> torch.Tensor:
-    """The weighted total reward [B]; each function's mean over the samples it scored, and the total's, into stats.
-    Each function is called once, as TRL calls it: completions (text, or an assistant message for a conversational
-    prompt), prompts, completion_ids and every other column by name. None: cannot score this sample (the others'
-    rewards still count; a sample no function scores has a NaN total, which group_advantages leaves out)."""
+    """The weighted total reward [B]; each function's mean over the samples it scored into stats. Each is called once,
+    as TRL does: completions (text, or an assistant message), prompts, completion_ids, every other column by name.
+    None: cannot score (the others still count; a sample no function scores is NaN, left out by group_advantages)."""
     completions = [
         t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
         for t, row in zip(r.texts, r.rows, strict=True)
@@ -586,9 +555,7 @@ def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, p
     for (name, fn), weight in zip(reward_funcs.items(), weights, strict=True):
         values = list(fn(completions=completions, prompts=prompts, completion_ids=r.completions, **columns))
         if len(values) != len(completions):
-            raise ConfigError(
-                f"reward function {name!r} returned {len(values)} rewards for {len(completions)} samples"
-            )
+            raise ConfigError(f"reward function {name!r} returned {len(values)} rewards for {len(r.texts)} samples")
         rewards = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)  # [B]
         scored = rewards[~rewards.isnan()]
         stats.mean(f"{prefix}rewards/{name}", scored.sum().item(), scored.numel())
@@ -601,9 +568,8 @@ def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, p
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """rewards [B], completion k of prompt i at i * G + k -> advantages [B] and each group's reward std [B / G].
-    Advantage = reward - the group's mean, / (the group's unbiased std + 1e-4) when scale is "group", as TRL. A NaN
-    reward (unscored) takes no part in its group's statistics and gets advantage 0, as in TRL 1.16."""
+    """rewards [B] (completion k of prompt i at i * G + k) -> advantages [B], each group's reward std [B / G]: reward -
+    group mean, / (unbiased std + 1e-4) if scale is "group". A NaN (unscored) is left out and gets 0, as in TRL."""
     grouped = rewards.view(-1, num_generations)  # [B / G, G]
     count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # [B / G, 1] the scored samples of each group
     mean = grouped.nansum(dim=1, keepdim=True) / count  # [B / G, 1]
@@ -615,8 +581,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
 
 # ============================================================================================ the loss and the trainer
 def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:
-    """num_iterations optimizer steps on one step's rollouts; the loss, clip and sync-check metrics go into stats. No
-    .item() per micro-batch: the CPU (busy with ZeRO-3's hooks) does not wait for the GPU before the last one."""
+    """num_iterations optimizer steps on a step's rollouts, metrics into stats (no .item() per micro-batch)."""
     trainer.train()
     batch = cfg.per_device_train_batch_size
     micro_batches = [slice(i, i + batch) for i in range(0, len(r.completions), batch)]
@@ -705,10 +670,9 @@ def sequence_logprobs(model, prompts, completions, temperature: float, device, p
 
 
 def logprobs_forward(model, ids, attention_mask, predicting, temperature: float, max_tokens: int):
-    """One forward that returns, in place of the [B, L, V] logits, the log-probs and entropies [N] of ids[row, position
-    + 1] for the (row, position) pairs of predicting [2, N]. Hooks take the LM head's input (the final hidden states;
-    output_hidden_states would keep every layer's), hand the head no positions, and make the log-probs the model's
-    output, so that DeepSpeed's engine puts its backward hooks on what the loss uses."""
+    """One forward returning, for the (row, position) pairs of predicting [2, N], the log-probs and entropies [N] of
+    ids[row, position + 1], not [B, L, V] logits. Hooks take the head's input (the final hidden states) and make the
+    log-probs the model's output: DeepSpeed's engine puts its backward hooks on what the loss uses."""
     hf_model = getattr(model, "module", model)  # (DeepSpeed's engine holds the HF model)
     head = hf_model.get_output_embeddings()
     num_chunks = math.ceil(max_tokens * head.out_features / LOGPROB_CHUNK)  # (see chunked_logprobs)
@@ -734,9 +698,8 @@ def logprobs_forward(model, ids, attention_mask, predicting, temperature: float,
 
 
 def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
-    """hidden [N, H], tokens [N] -> log p(token) and the entropy [N], through the LM head in num_chunks slices, each
-    slice's [n, V] logits recomputed in backward (checkpoint). num_chunks calls whatever N is (empty ones too): ZeRO-3
-    gathers the head's weight at each call, and every rank must make the same calls."""
+    """hidden [N, H], tokens [N] -> log p(token), entropy [N], the LM head's [n, V] logits recomputed in backward, in
+    num_chunks slices whatever N is (empty ones too): ZeRO-3 gathers the head at each call, the same on all ranks."""
     size = math.ceil(len(tokens) / num_chunks)
     parts = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
     chunks = [checkpoint(head_logprobs, head, hidden[p], tokens[p], temperature, use_reentrant=False) for p in parts]
@@ -745,16 +708,11 @@ def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperatu
 
 
 def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    """One slice: hidden [n, H] -> the LM head's logits [n, V] -> log p(token) and the entropy [n]."""
-    return token_logprobs(head(hidden), tokens, temperature)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
-    """logits [..., V], tokens [...] -> log p(token) and the entropy (no grad) under softmax(logits / temperature)."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [..., V]
+    """hidden [n, H] -> the head's logits [n, V] -> log p(token), entropy (no grad) [n] of softmax(logits / T)."""
+    logp_all = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [n, V]
     with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [...]
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n]
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
     return logp, entropy
 
 
@@ -863,8 +821,7 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     model.config.use_cache = False
     if train and cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules (hooks cost CPU time per call).
-    # (A leaf's gradients are reduced by its backward hook: frozen embeddings would need enable_input_require_grads.)
+    # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules (hooks cost CPU time per call)
     deepspeed.utils.set_z3_leaf_modules(model, model._no_split_modules or [], raise_if_not_found=False)
     trainable = model.parameters() if train else None
     trainer, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=trainable)
@@ -925,8 +882,7 @@ def arithmetic_problem(rng: random.Random) -> dict:
 
 
 class ArithmeticTask:
-    """The built-in task, unlimited: row i is drawn from (seed, i), the same on every rank and in every run with that
-    seed, and never one of the held-out eval rows (such a draw is redrawn)."""
+    """The built-in task: row i is drawn from (seed, i), the same on every rank and run, never a held-out eval row."""
 
     def __init__(self, seed: int, num_eval_prompts: int):
         self.seed = seed
@@ -999,9 +955,8 @@ def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list
     if not prompts:  # (apply_chat_template reads a batch's first item)
         return []
     conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
-    return tokenizer.apply_chat_template(
-        conversations, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
-    )
+    options = {"add_generation_prompt": True, "tokenize": True, "return_dict": False, **template_kwargs}
+    return tokenizer.apply_chat_template(conversations, **options)
 
 
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -1083,8 +1038,7 @@ class Inputs:
 
 
 def load_inputs(cfg: Config, world: int) -> Inputs:
-    """The options checked, then what they name loaded, the cheapest first (a library's error: one line, `loading`).
-    Every rank does the same, so all fail alike, and none is left waiting in a collective for another."""
+    """The options checked, then what they name loaded, the cheapest first, alike on every rank: all fail alike."""
     from transformers import AutoConfig, AutoTokenizer
 
     check_options(cfg, world)
@@ -1110,7 +1064,7 @@ def load_inputs(cfg: Config, world: int) -> Inputs:
 
 def check_options(cfg: Config, world: int) -> None:
     """What would fail minutes later in vLLM or DeepSpeed, or silently train wrong: the first failed row, one line."""
-    for f in dataclasses.fields(cfg):  # a NaN would only show up later, as a NaN loss
+    for f in fields(cfg):  # a NaN would only show up later, as a NaN loss
         values = getattr(cfg, f.name)
         for value in values if isinstance(values, list) else [values]:
             if isinstance(value, float) and not math.isfinite(value):
@@ -1123,7 +1077,7 @@ def check_options(cfg: Config, world: int) -> None:
     tp = max(cfg.vllm_tensor_parallel_size, 1)  # (a size below 1 is refused by the first row, before any division)
     G = max(cfg.num_generations, 1)
     reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]  # (a metric's name: rewards/<name>)
-    completions_per_rank = cfg.completions_per_rank
+    completions = cfg.completions_per_rank
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     tp_fits = world % tp == 0 and per_node % tp == 0  # TP groups are contiguous ranks of one node
     cap = cfg.vllm_importance_sampling_clip_max
@@ -1134,10 +1088,7 @@ def check_options(cfg: Config, world: int) -> None:
         (not negative, f"--{', --'.join(negative)}: must be >= 0"),
         (tp_fits, f"--vllm_tensor_parallel_size {tp} must divide the {world} ranks and the {per_node} per node"),
         (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
-        (
-            completions_per_rank % G == 0,
-            f"completions per rank {completions_per_rank} must be a multiple of --num_generations {G}",
-        ),
+        (completions % G == 0, f"completions per rank {completions} must be a multiple of --num_generations {G}"),
         (cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0"),
         (cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0 (the clipping threshold)"),
         (cfg.beta >= 0 and cfg.weight_decay >= 0, "--beta and --weight_decay must be >= 0"),
@@ -1165,15 +1116,13 @@ def check_model(cfg: Config, model_config) -> None:
     length = cfg.max_prompt_length + cfg.max_completion_length
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
     weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
-    after_head = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
+    scaling = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
     if not heads_split:
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
     if length > context:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: over the context, {context}")
-    if after_head:
-        raise ConfigError(
-            f"--model {cfg.model}: its {after_head[0]} changes the logits after the LM head (unsupported)"
-        )
+    if scaling:
+        raise ConfigError(f"--model {cfg.model}: its {scaling[0]} changes the logits after the LM head (unsupported)")
     if os.path.isdir(cfg.model) and not weights:
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
 
@@ -1190,16 +1139,12 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
         state = json.loads(Path(path, "trainer_state.json").read_text())
         for key, value in now.items():  # ZeRO-3 state is split per rank; prompts and samples follow seed and TP
             if state[key] != value:
-                raise ConfigError(
-                    f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; an exact resume needs "
-                    "the same number of ranks, --seed and --vllm_tensor_parallel_size"
-                )
+                needs = "an exact resume needs the same number of ranks, --seed and --vllm_tensor_parallel_size"
+                raise ConfigError(f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; {needs}")
     newer = [c for c in checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
     if newer:  # the new steps would mix with theirs, and a later `--resume latest` would pick the abandoned branch
-        raise ConfigError(
-            f"--resume {path}: output_dir also holds {newer[-1]}, a later checkpoint; to branch off from step "
-            f"{state['step']}, pass another --output_dir"
-        )
+        branch = f"to branch off from step {state['step']}, pass another --output_dir"
+        raise ConfigError(f"--resume {path}: output_dir also holds {newer[-1]}, a later checkpoint; {branch}")
     return path, state["step"]
 
 
@@ -1218,8 +1163,7 @@ def check_output_dir(cfg: Config) -> None:
 
 
 def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
-    """Every prompt of the data (the eval rows included; of the built-in task, its eval rows, which span its lengths)
-    fits --max_prompt_length once templated: the loop cuts none, and vLLM would refuse a longer one."""
+    """Every prompt of the data (of the built-in task: its eval rows) fits --max_prompt_length: none is ever cut."""
     if isinstance(source, DatasetRows):
         prompts = source.dataset["prompt"]  # (the whole column in one read)
     else:  # (and its first training row: a model without a chat template fails here with --num_eval_prompts 0 too)
@@ -1281,7 +1225,6 @@ class PhaseTimer:
         self.t[name] += time.perf_counter() - t0
 
 
-# -------------------------------------------------------------------------------------- checkpoints
 def save_model(model, tokenizer, out_dir: str) -> None:
     """An HF folder that transformers and vLLM load (weights gathered in buckets); all ranks call it, rank 0 writes."""
     state = {}
@@ -1295,8 +1238,7 @@ def save_model(model, tokenizer, out_dir: str) -> None:
 
 
 def save_checkpoint(trainer, tokenizer, cfg: Config, step: int) -> None:
-    """checkpoint-{step}: the HF folder, every rank's ZeRO-3 state and trainer_state.json (an exact resume), written
-    as checkpoint-{step}.tmp and renamed once complete."""
+    """checkpoint-{step}: the HF folder, every rank's ZeRO-3 state, trainer_state.json; complete once renamed."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     save_model(trainer.module, tokenizer, tmp)
@@ -1326,9 +1268,8 @@ def prune_checkpoints(output_dir: str, step: int, limit: int | None) -> None:
 
 def checkpoints(output_dir: str) -> list[str]:
     """The complete checkpoint-N folders of output_dir, oldest first (a save cut short is still *.tmp)."""
-    if not os.path.isdir(output_dir):
-        return []
-    done = [os.path.join(output_dir, d) for d in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", d)]
+    found = glob.glob(os.path.join(output_dir, "checkpoint-*"))  # (none if output_dir does not exist)
+    done = [path for path in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(path))]
     return sorted(done, key=checkpoint_step)
 
 
@@ -1336,14 +1277,12 @@ def checkpoint_step(path: str) -> int:
     return int(path.rpartition("-")[2])
 
 
-# ------------------------------------------------------------------------------------------ signals
 STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop's safe points
 
 
 def request_stop(signum, frame):
-    """SIGINT / SIGTERM: stop at the next safe point and save (see train). A second SIGINT ends the process at once; a
-    second SIGTERM changes nothing (schedulers may send one to each process and one to the launcher, which hands it
-    on)."""
+    """SIGINT / SIGTERM: stop at the next safe point and save. A second SIGINT ends the process; a second SIGTERM does
+    not (a scheduler may send one to each process and one to the launcher, which hands it on)."""
     global STOP_REQUESTED
     STOP_REQUESTED = True
     if signum == signal.SIGINT:
@@ -1355,13 +1294,11 @@ def stop_requested(device) -> bool:
     return global_sum(float(STOP_REQUESTED), device) > 0
 
 
-# ------------------------------------------------------------------------------------------ metrics
 class Stats:
-    """One step's metrics, recorded on each rank by name; reduce() combines those of all ranks in one collective:
-        mean(name, total, count)  the sum of every total / the sum of every count (e.g. per token, over all ranks)
-        sum(name, value)          the sum of every value
-        max(name, value)          the largest value
-    Values may be GPU tensors: nothing waits for the GPU until reduce()."""
+    """One step's metrics by name, on each rank (GPU tensors too: nothing waits for the GPU until reduce()), combined:
+    mean(name, total, count)  the sum of every total / the sum of every count (e.g. per token, over all ranks)
+    sum(name, value)          the sum of every value
+    max(name, value)          the largest value"""
 
     def __init__(self):
         self.records = []  # (name, kind, value, count)
@@ -1392,12 +1329,10 @@ class Stats:
             else:
                 combined[name][1] += value
                 combined[name][2] += count
-        out = {}
-        for name, (kind, value, count) in combined.items():
-            out[name] = value
-            if kind == "mean":  # (a mean of nothing, e.g. no sample scored, is NaN)
-                out[name] = value / count if count else math.nan
-        return out
+        return {  # (a mean of nothing, e.g. no sample scored, is NaN)
+            name: (value / count if count else math.nan) if kind == "mean" else value
+            for name, (kind, value, count) in combined.items()
+        }
 
 
 def global_sum(value: float, device) -> float:
@@ -1449,8 +1384,7 @@ def print_samples(r: Rollouts, rewards, advantages, n: int) -> None:
         say(f"  reward {rewards[i]:.2f} | advantage {advantages[i]:+.2f} | {question[-150:]} -> {reply[:300]}")
 
 
-# (metric, format) of the line printed per step
-LOG_LINE = [
+LOG_LINE = [  # (metric, format) of the line printed per step
     ("reward", "reward {:.3f}"),
     ("rewards/correctness", "acc {:.3f}"),
     ("rewards/format", "fmt {:.3f}"),
@@ -1469,9 +1403,8 @@ LOG_LINE = [
 
 
 class RunLog:
-    """Rank 0's record of the run: a line per step on stdout, output_dir/metrics.jsonl, and a run in each tracker of
-    --report_to (wandb, or trackio, which copies its API), with the same metric names. A resumed run keeps the lines
-    of the steps before its first step."""
+    """Rank 0's record of the run: a line per step on stdout, output_dir/metrics.jsonl (a resumed run keeps the lines
+    before its first step), and a run in each tracker of --report_to (wandb, or trackio: the same API)."""
 
     def __init__(self, cfg: Config, first_step: int):
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
@@ -1507,7 +1440,6 @@ class RunLog:
             run.finish(**marked)
 
 
-# --------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # first: a stop from torchrun then waits for this rank's error line
         signal.signal(sig, request_stop)
@@ -1534,8 +1466,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.barrier()  # vLLM's atexit shutdown still needs the process group: don't destroy it here
     except (ConfigError, NonFiniteError) as e:  # bad input, a NaN loss: one line, no traceback
         say(f"error: {e}")
-        # os._exit, not sys.exit: a teardown beside live gloo/NCCL threads can abort
-        os._exit(2 if isinstance(e, ConfigError) else 3)
+        os._exit(2 if isinstance(e, ConfigError) else 3)  # not sys.exit: a teardown beside live NCCL threads can abort
     except Exception:  # a bug (in a reward function, say): its traceback, as in TRL
         traceback.print_exc()
         os._exit(1)
