@@ -333,7 +333,7 @@ def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> N
 
 # ======================================================================================================= co-location
 # With external_launcher, vLLM starts no processes: each torchrun rank runs the engine's worker in its own process and
-# process group; a TP group's ranks hold one engine. Plain arguments (no Config): these copy into another trainer.
+# process group (no device_id: see main); a TP group's ranks hold one engine. No Config: these copy as they are.
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
     """Contiguous ranks share an engine, as vLLM lays them out: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
@@ -376,8 +376,8 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
 
 # The two sleeps, both level 2: vLLM discards its weights and frees its KV cache (the next push wakes it and loads the
 # weights). The first, after the build, is vLLM's own llm.sleep, which ends with torch.cuda.empty_cache(): the free
-# memory then shows what the engine keeps asleep. Each sleep after generating is sleep_vllm, without that empty_cache,
-# which hands torch's cached blocks to the driver for a trainer in another process: ours would cudaMalloc them again.
+# memory then shows what the engine keeps asleep. Each sleep after generating is sleep_vllm: no empty_cache. That call
+# gives torch's cached blocks back to the driver, for a trainer in another process; ours would cudaMalloc them again.
 def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
@@ -395,8 +395,8 @@ def sleep_vllm(llm) -> None:
 def push_weights_to_vllm(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
     """Make vLLM sample from the weights just trained; returns the names of the engine's parameters it loaded.
     Level-2 sleep discarded vLLM's weights, so: wake the weight memory, stream the trained parameters in (vLLM's model
-    is in this process), wake the KV cache (wake_bytes: its size, 0 unknown), drop the cached prefixes. Never call
-    reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
+    is in this process), wake the KV cache, drop the cached prefixes (wake_bytes: what vLLM maps again, 0: unknown).
+    Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
     if sleep_mode:
         make_room_for_wake(wake_bytes)
         llm.wake_up(tags=["weights"])
@@ -422,27 +422,30 @@ def make_room_for_wake(wake_bytes: int) -> None:
 
 
 def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
-    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time by all ranks
-    together. A tensor is valid until the next bucket: the consumer copies it (vLLM's load_weights, save_model)."""
+    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time: every rank must
+    exhaust it, in step. A tensor is valid until the next bucket: the consumer copies it (load_weights, save_model)."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     params = list(model.named_parameters())
     bucket = []
+    bucket_size = 0
     for i, (name, param) in enumerate(params):
         bucket.append((name, param))
-        full_bytes = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for _, p in bucket)  # not the shards'
-        if full_bytes >= bucket_bytes or i == len(params) - 1:
-            # (small parameters stay whole after an optimizer step: gathered here, they would be freed on exit)
+        bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
+        if bucket_size >= bucket_bytes or i == len(params) - 1:
+            # (parameters under ZeRO-3's persistence threshold are whole: gathered again, they'd be freed on exit)
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
                 for bucket_name, bucket_param in bucket:
                     yield bucket_name, bucket_param.data
             bucket = []
+            bucket_size = 0
 
 
 def reload_weights_on_cpu(llm, weights) -> set[str]:
-    """vLLM's CPU backend packs linear weights: its reload_weights packs them again (the loaded names: recorded)."""
+    """vLLM's CPU backend packs linear weights for its kernels; its layer-wise reload_weights packs them again. It
+    returns no names: those its model's load_weights returns are recorded on the way."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
@@ -456,7 +459,7 @@ def reload_weights_on_cpu(llm, weights) -> set[str]:
 
     with mock.patch.object(vllm_model, "load_weights", recording_load):
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-    # ... except the tied lm_head, which keeps a stale packed copy unless it is packed anew
+    # ... except a tied lm_head, which keeps a stale packed copy unless packed anew (harmless for an untied one)
     dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False)
     return loaded
 
@@ -481,8 +484,8 @@ def sampling_params(n: int, temperature: float, max_tokens: int):
 
 
 def step_seed(seed: int, step: int, tp_group_index: int) -> int:
-    """The first sampling seed of a TP group's engine in a step, not its history's (a resumed run samples the same):
-    the hash, shifted by 20 bits, leaves the step's samples 2**20 seeds (generate adds i * n + k)."""
+    """The first sampling seed of a TP group's engine in a step: a hash of (seed, step, group) alone, so a resumed run
+    samples the same; shifted by 20 bits, it leaves the step's samples 2**20 seeds (generate adds i * n + k)."""
     return zlib.crc32(f"{seed}:{step}:{tp_group_index}".encode()) << 20
 
 
@@ -635,7 +638,7 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
 def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
     """grpo_loss's keywords for one step (lengths [B]: this rank's completions'). The denominator is the whole step's:
         DeepSpeed's gradient = (1 / world) * sum over ranks and micro-batches of grad(micro-batch's sum / denominator)
-        denominator = all ranks' tokens / world (dapo), this rank's sequences (grpo; dr_grpo: x max_completion_length)
+        denominator = all ranks' tokens / world (dapo), this rank's sequences (grpo), x max_completion_length (dr_grpo)
     so that the gradient is the global batch's loss's: its mean per token (dapo) or per sequence (grpo, dr_grpo)."""
     tokens_per_rank = max(global_sum(lengths.sum().item(), device) / dist.get_world_size(), 1.0)
     denominator = len(lengths) * (cfg.max_completion_length if cfg.loss_type == "dr_grpo" else 1)
@@ -670,9 +673,9 @@ def sequence_logprobs(model, prompts, completions, temperature: float, device, p
 
 
 def logprobs_forward(model, ids, attention_mask, predicting, temperature: float, max_tokens: int):
-    """One forward returning, for the (row, position) pairs of predicting [2, N], the log-probs and entropies [N] of
-    ids[row, position + 1], not [B, L, V] logits. Hooks take the head's input (the final hidden states) and make the
-    log-probs the model's output: DeepSpeed's engine puts its backward hooks on what the loss uses."""
+    """One forward returning the log-probs and entropies [N] of ids[row, position + 1] for the (row, position) pairs of
+    predicting [2, N], not [B, L, V] logits. Hooks take the head's input (the final hidden states) and make the
+    log-probs the model's own output: ZeRO-3's engine hooks its backward pass (gradient reduction, offload) onto it."""
     hf_model = getattr(model, "module", model)  # (DeepSpeed's engine holds the HF model)
     head = hf_model.get_output_embeddings()
     num_chunks = math.ceil(max_tokens * head.out_features / LOGPROB_CHUNK)  # (see chunked_logprobs)
@@ -1154,9 +1157,8 @@ def check_output_dir(cfg: Config) -> None:
     used = os.path.exists(os.path.join(out, "metrics.jsonl")) or glob.glob(os.path.join(out, "checkpoint-*"))
     its_own = bool(cfg.resume) and Path(cfg.resume).absolute().parent.resolve() == Path(out).resolve()
     if used and not (cfg.resume == "latest" or its_own):
-        advice = "another --output_dir"
-        if checkpoints(out) and not cfg.resume:  # (a --resume of another run's checkpoint: that run is elsewhere)
-            advice = "--resume latest, or another --output_dir"
+        resumable = checkpoints(out) and not cfg.resume  # (--resume of another run's checkpoint: it is elsewhere)
+        advice = "--resume latest, or another --output_dir" if resumable else "another --output_dir"
         raise ConfigError(f"--output_dir {out} holds another run: pass {advice}")
     with loading("output_dir", out):
         os.makedirs(out, exist_ok=True)
