@@ -123,13 +123,13 @@ def test_unscorable_samples_are_left_out_of_their_group():
     assert adv.tolist() == pytest.approx([1 / 3, -2 / 3, 0.0, 1 / 3, 0, 0, 0, 0], abs=1e-6)
 
 
-def test_token_logprobs_by_hand():
-    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
-    lp, ent = g.token_logprobs(logits, torch.tensor([2, 1]))
+def test_head_logprobs_by_hand():
+    logits, head = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]), torch.nn.Identity()  # the head's output: logits
+    lp, ent = g.head_logprobs(head, logits, torch.tensor([2, 1]), 1.0)
     assert lp[0].item() == pytest.approx(3 - math.log(math.e + math.e**2 + math.e**3), abs=1e-6)
     assert lp[1].item() == pytest.approx(math.log(1 / 3), abs=1e-6)
     assert ent[1].item() == pytest.approx(math.log(3), abs=1e-6)  # uniform over 3 tokens
-    lp2, _ = g.token_logprobs(logits, torch.tensor([2, 1]), temperature=2.0)
+    lp2, _ = g.head_logprobs(head, logits, torch.tensor([2, 1]), temperature=2.0)
     assert lp2[0].item() == pytest.approx(1.5 - math.log(math.exp(0.5) + math.exp(1) + math.exp(1.5)), abs=1e-6)
 
 
@@ -142,12 +142,36 @@ def test_loss_normalisations_by_hand():
     z = [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     mask = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
     adv = [1.0, -2.0]
-    assert _loss(z, z, adv, mask, loss_type="grpo")[0].item() == pytest.approx((-1 + 2) / 2)
-    assert _loss(z, z, adv, mask, loss_type="dapo")[0].item() == pytest.approx((-2 + 6) / 5)
-    assert _loss(z, z, adv, mask, loss_type="dr_grpo", max_completion_length=4)[0].item() == pytest.approx(4 / (2 * 4))
-    # explicit denominators (what the training loop passes for micro-batches spread over ranks)
-    assert _loss(z, z, adv, mask, loss_type="dapo", num_tokens=10)[0].item() == pytest.approx(4 / 10)
-    assert _loss(z, z, adv, mask, loss_type="grpo", num_sequences=4)[0].item() == pytest.approx(1 / 4)
+    # grpo: the sum of each sequence's token mean (-1 + 2); dapo and dr_grpo: the sum over tokens (-2 + 6)
+    assert _loss(z, z, adv, mask, loss_type="grpo", denominator=2)[0].item() == pytest.approx((-1 + 2) / 2)
+    assert _loss(z, z, adv, mask, loss_type="dapo", denominator=5)[0].item() == pytest.approx((-2 + 6) / 5)
+    assert _loss(z, z, adv, mask, loss_type="dr_grpo", denominator=2 * 4)[0].item() == pytest.approx(4 / (2 * 4))
+    # other denominators (what the training loop passes for micro-batches spread over ranks)
+    assert _loss(z, z, adv, mask, loss_type="dapo", denominator=10)[0].item() == pytest.approx(4 / 10)
+    assert _loss(z, z, adv, mask, loss_type="grpo", denominator=4)[0].item() == pytest.approx(1 / 4)
+
+
+def _loss_settings_worker(rank, world, port, q):
+    join_group(rank, world, port)
+    lengths = torch.tensor([[3, 1, 2], [4, 4]][rank])  # this rank's completions' lengths: 6 and 8 tokens
+    out = {}
+    for loss_type in ("dapo", "grpo", "dr_grpo"):
+        cfg = g.Config(loss_type=loss_type, max_completion_length=5, epsilon=0.1, epsilon_high=0.3, beta=0.04)
+        out[loss_type] = g.loss_settings(cfg, lengths, torch.device("cpu"))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_loss_settings_denominators_by_hand():
+    """The step's denominators: dapo all ranks' tokens / world (14 / 2, the same on each rank), grpo this rank's
+    sequences (3 and 2), dr_grpo those x max_completion_length; the clip, beta and loss type passed on as they are."""
+    for rank, out in run_workers(_loss_settings_worker, 2).items():
+        sequences = [3, 2][rank]
+        denominators = {t: s["denominator"] for t, s in out.items()}
+        assert denominators == pytest.approx({"dapo": 7, "grpo": sequences, "dr_grpo": sequences * 5}), rank
+        for loss_type, settings in out.items():
+            rest = {k: v for k, v in settings.items() if k != "denominator"}
+            assert rest == {"loss_type": loss_type, "epsilon_low": 0.1, "epsilon_high": 0.3, "beta": 0.04}, rank
 
 
 def test_loss_clipping_both_sides_by_hand():
@@ -161,6 +185,7 @@ def test_loss_clipping_both_sides_by_hand():
         epsilon_low=0.2,
         epsilon_high=0.28,
         loss_type="grpo",
+        denominator=4,  # the sequences
     )
     # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5;
     # 0.5,A=-1 -> +0.8 (clipped low)
@@ -182,6 +207,7 @@ def test_loss_kl_and_importance_weight_by_hand():
         beta=0.1,
         ref_logp=torch.tensor([[math.log(2.0)]]),
         is_weight=torch.tensor([[0.5]]),
+        denominator=1,  # the one token
     )
     assert loss.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # the IS weight scales the surrogate, not the KL
     assert st["kl"].item() == pytest.approx(k3)
@@ -195,8 +221,10 @@ def test_loss_ignores_masked_tokens():
         torch.tensor([[-1.1, -2.0, -0.1]]),
         torch.tensor([[1.0, 1.0, 0.0]]),
     )
-    a = g.grpo_loss(logp, old, torch.tensor([1.0]), mask)[0]
-    b = g.grpo_loss(logp.clone().index_fill_(1, torch.tensor([2]), 5.0), old, torch.tensor([1.0]), mask)[0]
+    a = g.grpo_loss(logp, old, torch.tensor([1.0]), mask, denominator=2)[0]
+    b = g.grpo_loss(
+        logp.clone().index_fill_(1, torch.tensor([2]), 5.0), old, torch.tensor([1.0]), mask, denominator=2
+    )[0]
     assert a.item() == b.item()
 
 
@@ -206,7 +234,7 @@ def full_logits_logprobs(model, prompts, comps, temperature):
     logps, entropies = [], []
     for p, c in zip(prompts, comps, strict=True):
         logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : len(p) - 1 + len(c)]  # [len(c), V]
-        logp, entropy = g.token_logprobs(logits, torch.tensor(c), temperature)
+        logp, entropy = g.head_logprobs(torch.nn.Identity(), logits, torch.tensor(c), temperature)
         logps.append(logp)
         entropies.append(entropy)
     return logps, entropies
@@ -301,7 +329,8 @@ def test_arithmetic_problems_are_exact_and_seeded():
     for i in range(300):
         p = g.arithmetic_problem(random.Random(i))
         assert p == g.arithmetic_problem(random.Random(i))
-        q, a = p["prompt"], int(p["answer"])
+        assert p["prompt"][:-1] == [{"role": "system", "content": g.SYSTEM_PROMPT}, *g.FEW_SHOT]
+        q, a = question(p), int(p["answer"])
         x, y, *z = map(int, re.findall(r"\d+", q))
         if q.startswith("What is"):
             assert a == (x + y if "+" in q else x - y)
@@ -335,7 +364,7 @@ def test_prompt_source_distinct_ranks_steps_and_reproducible(monkeypatch):
     for step in range(3):
         for rank in range(4):
             monkeypatch.setattr(g, "RANK", rank)
-            batch = g.prompts_for_step(src, step, per_rank=2, world_size=4)
+            batch = g.prompts_for_step(src, step, prompts_per_rank=2, world_size=4)
             assert (
                 batch == g.prompts_for_step(g.prompt_source(cfg), step, 2, 4) and len(batch) == 2
             )  # f(seed, step, rank)
@@ -364,7 +393,7 @@ def write_dataset(path, rows):
 def test_eval_prompts_never_in_the_training_stream():
     src = g.prompt_source(g.Config())  # 128 eval prompts
     held_out = {question(r) for r in src.eval_rows}
-    raw = [g.arithmetic_problem(random.Random(f"0:{i}"))["prompt"] for i in range(4000)]
+    raw = [question(g.arithmetic_problem(random.Random(f"0:{i}"))) for i in range(4000)]
     # the raw draws do repeat eval prompts ("What is a + b?" has few variants)
     assert sum(p in held_out for p in raw) > 10
     stream = [question(src[i]) for i in range(4000)]
@@ -741,7 +770,7 @@ def test_memory_timeline_summary_and_picture_by_hand(tmp_path):
     spans = []
     samples = []
     for start, gen, train in [(0.0, 0.5, 0.4), (1.0, 0.6, 0.5), (2.2, 0.3, 0.4), (3.0, 0.9, 0.5), (4.5, 0.5, 0.4)]:
-        spans += [("wake", start, start + 0.05), ("push", start + 0.05, start + 0.1), ("eval", start, start)]
+        spans += [("push", start, start + 0.1), ("eval", start + 0.1, start + 0.1)]  # (push: its wake-ups included)
         spans += [("generate", start + 0.1, start + 0.1 + gen), ("sleep", start + 0.1 + gen, start + 0.15 + gen)]
         spans += [("train", start + 0.2 + gen, start + 0.2 + gen + train)]
         samples += [(start + 0.1, 12 * gib, 2 * gib, 9 * gib), (start + 0.3 + gen, 10 * gib, 0, 9.5 * gib)]
@@ -761,21 +790,20 @@ def test_memory_timeline_summary_and_picture_by_hand(tmp_path):
 
 def test_step_split_by_hand(tmp_path):
     """bench/step_split.py, the READMEs' step figures: medians over steps 1..N-1 (step 0 left out), co-loc the median
-    of each step's wake + push + sleep, memory from the first step, an eval-only line skipped."""
+    of each step's push (its wake-ups included) + sleep, memory from the first step, an eval-only line skipped; a run
+    logged before the exchange and the wake-ups were timed within generate and push splits the same."""
     sys.path.insert(0, os.path.join(HERE, "bench"))
     from step_split import split
 
-    def row(step, gen, wake, push, sleep, train, lp):
+    def row(step, gen, push, sleep, train, lp):
         return {
             "step": step,
-            "time/step": gen + wake + push + sleep + train,
+            "time/step": gen + push + sleep + train,
             "time/generate": gen,
-            "time/exchange": 0.0,
-            "time/wake": wake,
             "time/push": push,
             "time/sleep": sleep,
             "time/train": train,
-            "samples_per_sec": 64 / (gen + wake + push + sleep + train),
+            "samples_per_sec": 64 / (gen + push + sleep + train),
             "tokens_per_sec": 100.0,
             "generate_tokens_per_sec": 1000.0,
             "sampling/logp_diff_mean": lp,
@@ -784,31 +812,40 @@ def test_step_split_by_hand(tmp_path):
 
     rows = [
         {
-            **row(0, 9.0, 1.0, 1.0, 1.0, 9.0, 0.5),
+            **row(0, 9.0, 2.0, 1.0, 9.0, 0.5),
             "memory/vllm_awake_gib": 5.0,
             "memory/vllm_asleep_gib": 0.5,
             "eval/rewards/correctness": 0.25,
         },
-        row(1, 1.0, 0.3, 0.0, 0.15, 1.6, 0.1),
-        row(2, 2.0, 0.0, 0.5, 0.0, 1.5, 0.2),
-        row(3, 1.5, 0.1, 0.1, 0.1, 2.2, 0.3),
+        row(1, 1.0, 0.3, 0.15, 1.6, 0.1),
+        row(2, 2.0, 0.5, 0.0, 1.5, 0.2),
+        row(3, 1.5, 0.2, 0.1, 2.2, 0.3),
         {"step": 4, "eval/rewards/correctness": 0.5},
     ]
     s = split(rows)
-    # steps 1-3: step 3.05, 4.0, 4.0 s; gen 1.0, 2.0, 1.5; co-loc 0.45, 0.5, 0.3 (the sum of the phases' medians: 0.3)
+    # steps 1-3: step 3.05, 4.0, 4.0 s; gen 1.0, 2.0, 1.5; co-loc 0.45, 0.5, 0.3 (the sum of the phases' medians: 0.4)
     assert s["steps"] == 4 and s["step_s"] == pytest.approx(4.0) and s["gen_s"] == pytest.approx(1.5)
     assert (
         s["coloc_s"] == pytest.approx(0.45)
         and s["train_s"] == pytest.approx(1.6)
         and s["coloc_share"] == pytest.approx(0.1125)
     )
-    assert (s["wake_s"], s["push_s"], s["sleep_s"]) == pytest.approx((0.1, 0.1, 0.1)) and s[
-        "samples_per_sec"
-    ] == pytest.approx(16.0)
+    assert (s["push_s"], s["sleep_s"]) == pytest.approx((0.3, 0.1)) and s["samples_per_sec"] == pytest.approx(16.0)
+    assert "wake_s" not in s
     assert s["logp_diff_mean"] == pytest.approx(0.275) and s["logp_diff_max"] == pytest.approx(
         5.0
     )  # every step, step 0 too
     assert (s["vllm_awake_gib"], s["vllm_asleep_gib"], s["eval_accuracy"]) == (5.0, 0.5, (0.25, 0.5, 0.5))
+    # the same run as logged before: the TP prompt exchange and the wake-ups apart (time/exchange, time/wake)
+    older = []
+    for r in rows:
+        r = dict(r)
+        if "time/step" in r:
+            r["time/exchange"], r["time/generate"] = 0.25 * r["time/generate"], 0.75 * r["time/generate"]
+            r["time/wake"], r["time/push"] = 0.4 * r["time/push"], 0.6 * r["time/push"]
+        older.append(r)
+    s_older = split(older)
+    assert s_older.pop("eval_accuracy") == s.pop("eval_accuracy") and s_older == pytest.approx(s)
 
 
 def test_bench_vs_trl_mirrors_our_options_and_refuses_the_rest(tmp_path):
@@ -983,6 +1020,25 @@ def test_phase_timer():
     )
 
 
+def test_time_metrics_by_hand():
+    """The price of co-location is the push (vLLM's wake-ups included) + the sleep; the generation rate is per second
+    of the generate phase (the TP prompt exchange and the decoding included); a CPU step has no sleep phase."""
+    t = {"push": 0.5, "eval": 0.0, "generate": 2.0, "sleep": 0.25, "reward": 0.05, "train": 1.2}
+    m = g.time_metrics(t, 4.0, 64, {"completions/total_tokens": 1000})
+    assert m == pytest.approx(
+        {
+            **{f"time/{phase}": seconds for phase, seconds in t.items()},
+            "time/step": 4.0,
+            "time/overhead": 0.75,
+            "samples_per_sec": 16.0,
+            "tokens_per_sec": 250.0,
+            "generate_tokens_per_sec": 500.0,
+        }
+    )
+    t.pop("sleep")
+    assert g.time_metrics(t, 4.0, 64, {"completions/total_tokens": 1000})["time/overhead"] == 0.5
+
+
 def test_tp_group_layout():
     assert g.tp_group_layout(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g.tp_group_layout(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -1006,7 +1062,7 @@ def _exchange_worker(rank, world, port, tp, q):
     group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0] if tp > 1 else None
     mine = [[rank, j, 100 + rank] for j in range(rank + 1)]  # uneven on purpose: rank r holds r + 1 prompts
     engine, params = RecordingEngine(), SamplingParams(n=3, temperature=0.7, max_tokens=5)
-    outputs = g.generate(engine, mine, params, group, tp, seed=1000 * (rank // tp))  # the loop's seed per engine
+    outputs = g.generate(engine, mine, params, group, seed=1000 * (rank // tp))  # the loop's seed per engine
     assert params.seed is None  # the shared SamplingParams are left alone
     q.put((rank, (engine.prompts, outputs)))
     dist.barrier()
@@ -1159,6 +1215,7 @@ def test_weight_push_order(monkeypatch):
     assert calls == ["wake_up weights", "load_weights 4 tensors", "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()
     monkeypatch.setattr(g, "ON_GPU", False)
+    g.make_room_for_wake(12 * 2**30)  # no GPU, no sleep: nothing to make room in
     loaded = g.push_weights_to_vllm(FakeLLM(), model, sleep_mode=False)  # CPU: no sleep; the tied lm_head repacked
     assert loaded == {name for name, _ in model.named_parameters()}
     assert calls == [
@@ -1608,8 +1665,10 @@ def _zero3_worker(rank, world, port, model, q):
         isw = g.importance_weights(
             logp.detach(), torch.nn.utils.rnn.pad_sequence([torch.tensor(v) for v in vllm], batch_first=True), 3.0
         )
+        # the whole global batch's denominator: its tokens (dapo), its sequences (grpo; dr_grpo: x T)
+        denominator = {"dapo": live.sum().item(), "grpo": len(comps), "dr_grpo": len(comps) * T}[loss_type]
         loss, _ = g.grpo_loss(
-            logp, logp.detach(), adv, live, is_weight=isw, loss_type=loss_type, max_completion_length=T
+            logp, logp.detach(), adv, live, is_weight=isw, loss_type=loss_type, denominator=denominator
         )
         loss.backward()
         worst = max(
@@ -1872,7 +1931,7 @@ def test_e2e_data_parallel_smollm2(tmp_path):
     assert rc == 0, log[-4000:]
     assert_trained_and_in_sync(metrics, smollm2_path(), out / "final", steps=2)
     for m in (m for m in metrics if "loss" in m):  # every phase of the step is timed and they add up
-        phases = sum(m[f"time/{k}"] for k in ("push", "eval", "exchange", "generate", "reward", "train"))
+        phases = sum(m[f"time/{k}"] for k in ("push", "eval", "generate", "reward", "train"))
         assert 0 < phases <= m["time/step"] and m["time/train"] > 0 and m["time/push"] > 0, m
         assert m["samples_per_sec"] == pytest.approx(16 / m["time/step"]) and m["completions/total_tokens"] > 0
     # what a user reads: our lines, not a wall of expected library warnings
@@ -1921,11 +1980,11 @@ import torch
 import grpo_colocate as g
 pushes, push, grpo_loss, check = [], g.push_weights_to_vllm, g.grpo_loss, g.check_push_loaded_everything
 
-def faulty_push(llm, model, sleep_mode, timer=None, wake_bytes=0):
+def faulty_push(llm, model, sleep_mode, wake_bytes=0):
     pushes.append(1)
     if len(pushes) - 1 == 1:  # step 1: no push at all; the engine keeps the weights it had
         return set()
-    loaded = push(llm, model, sleep_mode, timer, wake_bytes)
+    loaded = push(llm, model, sleep_mode, wake_bytes)
     # step 2: a push, then reload_weights with no weights: it reloads the checkpoint from disk
     if len(pushes) - 1 == 2:
         llm.collective_rpc("reload_weights")
@@ -1947,7 +2006,42 @@ def nan_loss(*args, **kwargs):  # step 3, last rank only: a NaN loss
     nan = len(pushes) - 1 == 3 and g.RANK == int(os.environ["WORLD_SIZE"]) - 1
     return (loss * float("nan") if nan else loss), stats
 
+# The co-location core as a copier uses it, with a plain transformers model and no Config: push -> generate ->
+# sleep_vllm -> push (which wakes the engine) -> generate. Prints vLLM's log-probs of what it sampled against the new
+# weights' own: for the second generate (they must agree) and for the first (they must not).
+def copy_core(llm, model_path):
+    import json
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    prompts, params = [[1, 5, 9, 13], [2, 6, 10]], g.sampling_params(2, 1.0, 8)
+
+    def logp_diff(outputs):  # mean |vLLM's log-prob - the model's| over the sampled tokens
+        pairs = [(ids, sample) for ids, out in zip(prompts, outputs) for sample in out.outputs]
+        completions = [list(sample.token_ids) for _, sample in pairs]
+        with torch.no_grad():
+            logp, _ = g.sequence_logprobs(model, [ids for ids, _ in pairs], completions, 1.0, "cpu", 0, 64)
+        vllm_logps = [s.logprobs.logprobs for _, s in pairs]
+        diffs = [abs(logp[i, t].item() - v) for i, row in enumerate(vllm_logps) for t, v in enumerate(row)]
+        return sum(diffs) / len(diffs)
+
+    push(llm, model, sleep_mode=False)
+    first = g.generate(llm, prompts, params, None, seed=1)
+    g.sleep_vllm(llm)  # (on CPU: the scheduler paused; a generate now would wait for a wake_up)
+    with torch.no_grad():  # new weights, the same on every rank
+        noise = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=noise))
+    push(llm, model, sleep_mode=True)
+    second = g.generate(llm, prompts, params, None, seed=1)
+    print("copy-core: " + json.dumps({{"new": logp_diff(second), "old": logp_diff(first)}}), flush=True)
+
+def copy_core_then_train(cfg, inputs, colo, run_log, device):  # (the run's own engine: no new engine start)
+    copy_core(colo.llm, sys.argv[sys.argv.index("--model") + 1])
+    train(cfg, inputs, colo, run_log, device)
+
+train = g.train
 g.push_weights_to_vllm, g.grpo_loss, g.check_push_loaded_everything = faulty_push, nan_loss, check_with_a_gap_first
+g.train = copy_core_then_train
 g.main()
 """
 
@@ -1958,7 +2052,8 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     colocate mode shipped: it reloads the checkpoint from disk); the sync check must flag both (0.12-0.14 against
     < 1e-5). Step 3: a NaN loss on one rank stops both ranks with the step number before the update; the checkpoint
     saved after step 2 stays intact and loadable, and the wandb run is marked failed.
-    Also on this path: an empty eval set with eval_steps > 0."""
+    Also on this path: an empty eval set with eval_steps > 0. And, before the loop, the co-location core as a copier
+    uses it (copy_core above): the second generate samples the weights pushed after sleep_vllm."""
     launcher = tmp_path / "launch_faults.py"
     launcher.write_text(LAUNCHER.format(here=HERE))
     out = tmp_path / "out"
@@ -2001,6 +2096,10 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     # and 2 norms, the embedding (the tied head) and the final norm are 14 (vLLM's names: fused, as it holds them)
     gap = "negative control: the weight push left 1 of vLLM's 14 parameters unloaded: model.norm.weight\n"
     assert log.count(gap) == 2, log[-3000:]  # (each rank's engine)
+    copies = [json.loads(line.split("copy-core: ")[1]) for line in log.splitlines() if "copy-core: " in line]
+    assert len(copies) == 2, log[-3000:]
+    for copy in copies:  # float32: the same weights agree to rounding; the old ones are far off
+        assert copy["new"] < 1e-4 and copy["old"] > 1e-2, copy
 
 
 @pytest.fixture(scope="module")
@@ -2313,12 +2412,17 @@ RECORDER = """# grpo_colocate.py with every generate() call recorded to output_d
 import json, os, sys, zlib
 sys.path.insert(0, {here!r})
 import grpo_colocate as g
-build_vllm, generate, engine_calls = g.build_vllm, g.generate, []
+parse_config, build_vllm, generate, engine_calls, run = g.parse_config, g.build_vllm, g.generate, [], {{}}
 crc = lambda x: zlib.crc32(json.dumps(x).encode())
 
-def recording_build_vllm(cfg, *args, **kwargs):
-    llm = build_vllm(cfg, *args, **kwargs)
-    engine_generate, llm.log = llm.generate, open(os.path.join(cfg.output_dir, f"exchange-rank{{g.RANK}}.jsonl"), "a")
+def recording_parse_config(argv=None):  # (the run's options: build_vllm takes no Config)
+    run["cfg"] = parse_config(argv)
+    return run["cfg"]
+
+def recording_build_vllm(*args, **kwargs):
+    llm = build_vllm(*args, **kwargs)
+    log = os.path.join(run["cfg"].output_dir, f"exchange-rank{{g.RANK}}.jsonl")
+    engine_generate, llm.log = llm.generate, open(log, "a")
     def recorded(prompts, params, **kw):  # what this rank feeds its engine: the TP group's prompts and their seeds
         engine_calls.append(
             dict(engine_prompts=crc([p["prompt_token_ids"] for p in prompts]), seeds=[p.seed for p in params])
@@ -2335,7 +2439,7 @@ def recording_generate(llm, prompt_ids, *args, **kwargs):
     llm.log.flush()
     return outs
 
-g.build_vllm, g.generate = recording_build_vllm, recording_generate
+g.parse_config, g.build_vllm, g.generate = recording_parse_config, recording_build_vllm, recording_generate
 g.main()
 """
 

@@ -73,7 +73,13 @@ def main() -> None:
     if tp > 1:  # all ranks join
         tp_group = dist.new_subgroups_by_enumeration(g.tp_group_layout(world, tp))[0]
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    llm = g.build_vllm(cfg, model_path, cfg.vllm_enable_sleep_mode and on_gpu, dtype)
+    # as grpo_colocate.setup builds it: one step's batch of the TP group, prompt + completion tokens; eager on CPU
+    options = {"enable_sleep_mode": cfg.vllm_enable_sleep_mode and on_gpu}
+    options["enforce_eager"] = cfg.vllm_enforce_eager or not on_gpu
+    if on_gpu:
+        options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    max_model_len = cfg.max_prompt_length + cfg.max_completion_length
+    llm = g.build_vllm(model_path, tp, cfg.seed, per_rank * tp, max_model_len, dtype, **options)
     tokenizer = inputs.tokenizer
     examples = g.prompts_for_step(source, args.step, per_rank // G, world)
     prompt_ids = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.template_kwargs)
@@ -92,12 +98,12 @@ def main() -> None:
             params, timer, seeded = sampling.clone(), g.PhaseTimer(sync=on_gpu), v.pop("seeds", True)
             for k, x in v.items():
                 setattr(params, k, x)
-            outs = g.generate(llm, prompt_ids, params, tp_group, tp, timer, seed if seeded else None)
-            if not params.detokenize:  # the loop's collect_rollouts (its text decoding), timed as generation, as there
-                with timer("generate"):
+            with timer("generate"):  # as the loop times it: the TP prompt exchange, generation, the texts decoded
+                outs = g.generate(llm, prompt_ids, params, tp_group, seed if seeded else None)
+                if not params.detokenize:  # (detokenize: vLLM decoded the texts already)
                     g.collect_rollouts(examples, prompt_ids, outs, tokenizer)
             tokens = g.global_sum(sum(len(o.token_ids) for out in outs for o in out.outputs), device)
-            seconds = timer.t["generate"] + timer.t["exchange"]
+            seconds = timer.t["generate"]
             rates[j].append(tokens / seconds)
             g.say(
                 f"repeat {i + 1}/{args.repeats} {json.dumps(variants[j])}: {tokens:.0f} tokens in {seconds:.2f} s = "

@@ -68,17 +68,20 @@ def record(out: str) -> None:
         wake_up(self, tags=tags)
         awake.update(dict.fromkeys(tags or [tag for tag, _ in vllm_allocations()], True))
 
+    opened = {}  # phase -> its start, while it runs
+
     @contextmanager
     def timed(self, name):
         with timer_call(self, name):
-            start = now()
+            start = opened[name] = now()
             yield
+        del opened[name]
         spans.append((name, start, now()))
 
     def push_and_note(*args, **kwargs):
         if not steps:  # sampling from a thread while vLLM captures its CUDA graphs at start-up would break the capture
             threading.Thread(target=sample, args=(stop, torch.cuda.current_device()), daemon=True).start()
-        steps.append(now())
+        steps.append(opened.get("push", now()))  # a step starts with its push phase (the final eval's push: untimed)
         return push(*args, **kwargs)
 
     vllm.LLM.sleep = sleep_and_note
@@ -109,8 +112,8 @@ def summary(run: dict) -> dict:
     for start, end in zip(steps[1:-1], steps[2:], strict=True):
         spans = [(name, b - a) for name, a, b in run["spans"] if start <= a < end]
         seconds["step"].append(end - start)
-        seconds["generate"].append(sum(d for name, d in spans if name in ("exchange", "generate")))
-        seconds["co-location"].append(sum(d for name, d in spans if name in ("wake", "push", "sleep")))
+        seconds["generate"].append(sum(d for name, d in spans if name == "generate"))  # (the TP exchange included)
+        seconds["co-location"].append(sum(d for name, d in spans if name in ("push", "sleep")))  # (with wake-ups)
         seconds["train"].append(sum(d for name, d in spans if name in ("reward", "train")))
     medians = {name: statistics.median(values) for name, values in seconds.items()}
     peak = max(s[1] for s in run["samples"]) / GiB

@@ -18,10 +18,8 @@ import memory_timeline  # (this script's folder)
 
 GiB = memory_timeline.GiB
 PHASES = {  # the loop's timer phases, drawn as four bands
-    "wake": ("wake + push", "tab:orange"),
-    "push": ("wake + push", "tab:orange"),
-    "exchange": ("generate", "tab:green"),
-    "generate": ("generate", "tab:green"),
+    "push": ("wake + push", "tab:orange"),  # (push: vLLM's wake-ups included)
+    "generate": ("generate", "tab:green"),  # (the TP prompt exchange included)
     "sleep": ("sleep", "tab:red"),
     "reward": ("train", "tab:blue"),
     "train": ("train", "tab:blue"),

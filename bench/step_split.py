@@ -1,8 +1,10 @@
 """A run's step time split as the READMEs' tables give it, from its metrics.jsonl: the median over steps 1..N-1 (step
-0 warms up: CUDA graphs, the first wake) of time/step and of its phases -- gen = time/generate + time/exchange, co-loc
-= time/wake + time/push + time/sleep (the price of co-location), train = time/train -- with samples/s, tok/s, the
-co-location share of the step, the generation rate, the weight-sync check, vLLM's memory awake / asleep and the
-run's peak torch.cuda.max_memory_reserved() (memory/max_reserved_gib, rank 0's; runs that log it).
+0 warms up: CUDA graphs, the first wake) of time/step and of its phases -- gen = time/generate (the TP prompt exchange,
+generation, decoding), co-loc = time/push (its wake-ups included) + time/sleep (the price of co-location), train =
+time/train -- with samples/s, tok/s, the co-location share of the step, the generation rate, the weight-sync check,
+vLLM's memory awake / asleep and the run's peak torch.cuda.max_memory_reserved() (memory/max_reserved_gib, rank 0's;
+runs that log it). Runs logged before the exchange and the wake-ups were timed within generate and push (time/exchange,
+time/wake) split the same: those count in gen and push.
 
     python bench/step_split.py runs/grpo "runs/1 H200"        # run folders (output_dir) or metrics.jsonl files
 
@@ -26,18 +28,19 @@ def split(rows: list[dict]) -> dict:
     def t(r: dict, *keys: str) -> float:
         return sum(r.get(f"time/{k}", 0.0) for k in keys)
 
+    # (older runs: time/exchange apart from time/generate, time/wake apart from time/push)
+    gen, push = ("generate", "exchange"), ("push", "wake")
     step = med(lambda r: r["time/step"])
-    coloc = med(lambda r: t(r, "wake", "push", "sleep"))
+    coloc = med(lambda r: t(r, *push, "sleep"))
     evals = [r.get("eval/rewards/correctness", r.get("eval/accuracy")) for r in rows]  # (older runs: eval/accuracy)
     evals = [e for e in evals if e is not None]
     return {
         "steps": len(steps),
         "step_s": step,
-        "gen_s": med(lambda r: t(r, "generate", "exchange")),
+        "gen_s": med(lambda r: t(r, *gen)),
         "coloc_s": coloc,
         "train_s": med(lambda r: t(r, "train")),
-        "wake_s": med(lambda r: t(r, "wake")),
-        "push_s": med(lambda r: t(r, "push")),
+        "push_s": med(lambda r: t(r, *push)),
         "sleep_s": med(lambda r: t(r, "sleep")),
         "coloc_share": coloc / step,
         "samples_per_sec": med(lambda r: r["samples_per_sec"]),
@@ -77,8 +80,8 @@ def main() -> None:
         print(
             f"{arg}: {s['steps']} steps, {s['step_s']:.2f} s/step ({s['gen_s']:.2f} / {s['coloc_s']:.2f} / "
             f"{s['train_s']:.2f}), {s['samples_per_sec']:.1f} samples/s, {s['tokens_per_sec']:.0f} tok/s; co-location "
-            f"{100 * s['coloc_share']:.1f}% (wake {s['wake_s']:.3f}, push {s['push_s']:.3f}, sleep {s['sleep_s']:.3f} "
-            f"s); generation {s['generate_tokens_per_sec']:.0f} tok/s; logp_diff {s['logp_diff_mean']:.4f} mean, "
+            f"{100 * s['coloc_share']:.1f}% (push with its wake-ups {s['push_s']:.3f}, sleep {s['sleep_s']:.3f} s); "
+            f"generation {s['generate_tokens_per_sec']:.0f} tok/s; logp_diff {s['logp_diff_mean']:.4f} mean, "
             f"{s['logp_diff_max']:.4f} max{mem}{ev}"
         )
 

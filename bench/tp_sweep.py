@@ -1,6 +1,6 @@
 """The width sweep: `torchrun --nproc_per_node N grpo_colocate.py` at every tensor-parallel size (N / TP engines of TP
 contiguous ranks each), on one machine, one run after the other. Per TP size it prints the median step time over
-steps 1.. split gen (TP prompt exchange + generation) / push (wake + weight push + sleep) / train, the largest
+steps 1.. split gen (TP prompt exchange + generation) / push (wake-ups + weight push + sleep) / train, the largest
 per-token |logp_vllm - logp_trainer| of the run (the weight-sync check; ~1e-5 in float32) and the peak resident memory
 of one rank (the largest over ranks, sampled from /proc every 0.5 s: host memory, what a CPU run is limited by).
 
