@@ -704,8 +704,8 @@ def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperatu
     """hidden [N, H], tokens [N] -> log p(token), entropy [N], the LM head's [n, V] logits recomputed in backward, in
     num_chunks slices whatever N is (empty ones too): ZeRO-3 gathers the head at each call, the same on all ranks."""
     size = math.ceil(len(tokens) / num_chunks)
-    parts = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
-    chunks = [checkpoint(head_logprobs, head, hidden[p], tokens[p], temperature, use_reentrant=False) for p in parts]
+    slices = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
+    chunks = [checkpoint(head_logprobs, head, hidden[s], tokens[s], temperature, use_reentrant=False) for s in slices]
     logps, entropies = zip(*chunks, strict=True)  # (log p, entropy) per chunk -> all log-probs, all entropies
     return torch.cat(logps), torch.cat(entropies)
 
