@@ -144,7 +144,9 @@ def loss(logp, adv, mask, **kw):  # the first pass: old log-probs = the new ones
 def test_loss_normalisations_by_hand():
     # ratio 1 everywhere, so each token's loss is -A: row 0 -> -1 (2 tokens), row 1 -> +2 (3 tokens); the masked token
     # takes no part: no loss, no gradient
-    logp, mask, adv = [[0.0, 0.0, 5.0], [0.0, 0.0, 0.0]], [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], [1.0, -2.0]
+    logp = [[0.0, 0.0, 5.0], [0.0, 0.0, 0.0]]
+    mask = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+    adv = [1.0, -2.0]
     # grpo: the sum of each sequence's token mean (-1 + 2); dapo and dr_grpo: the sum over tokens (-2 + 6); over the
     # denominator the loop passes (loss_settings)
     for loss_type, denominator, expected in [("grpo", 2, 1 / 2), ("dapo", 5, 4 / 5), ("dr_grpo", 8, 4 / 8)]:
@@ -157,7 +159,8 @@ def test_loss_normalisations_by_hand():
 def test_loss_clipping_both_sides_kl_and_importance_weight_by_hand():
     # one token per row; ratios 1.5, 1.5, 0.5, 0.5 against advantages +1, -1, +1, -1
     logp_t = torch.tensor([[math.log(1.5)], [math.log(1.5)], [math.log(0.5)], [math.log(0.5)]], requires_grad=True)
-    adv, mask = torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4, 1)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    mask = torch.ones(4, 1)
     value, st = g.grpo_loss(logp_t, torch.zeros(4, 1), adv, mask, epsilon_low=0.2, epsilon_high=0.28, denominator=4)
     # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5;
     # 0.5,A=-1 -> +0.8 (clipped low)
@@ -169,7 +172,8 @@ def test_loss_clipping_both_sides_kl_and_importance_weight_by_hand():
     assert grad[1].item() == pytest.approx(1.5 / 4) and grad[2].item() == pytest.approx(-0.5 / 4)
     # the KL term and vLLM's importance weight
     k3 = 2.0 - math.log(2.0) - 1  # exp(d) - d - 1 with d = ref - logp = log 2
-    ref, is_weight = torch.tensor([[math.log(2.0)]]), torch.tensor([[0.5]])
+    ref = torch.tensor([[math.log(2.0)]])
+    is_weight = torch.tensor([[0.5]])
     value, st, _ = loss([[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, is_weight=is_weight, denominator=1)
     assert value.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # the IS weight scales the surrogate, not the KL
     assert st["kl"].item() == pytest.approx(k3)
@@ -189,14 +193,16 @@ def full_logits_logprobs(model, prompts, comps, temperature):
     return logps, entropies
 
 
-@pytest.mark.parametrize("chunk,calls,widest,tied", [(64, 8, 1, True), (300, 2, 4, False), (g.LOGPROB_CHUNK, 1, 7, 1)])
+@pytest.mark.parametrize(
+    "chunk,calls,widest,tied", [(64, 8, 1, True), (300, 2, 4, False), (g.LOGPROB_CHUNK, 1, 7, True)]
+)
 def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, calls, widest, tied):
     """Padding and the prompt/completion boundary: each row's log-probs, entropies and their gradients equal a forward
     pass over that row alone with the whole vocabulary's logits (float32). The LM head runs in a fixed number of
     chunks set by max_tokens and the vocabulary (64): one position per call, 4 and 3, or all 7 in one; calls with
     no positions fill the count, and the model's own forward gives the head no positions (no [B, L, V] logits)."""
     monkeypatch.setattr(g, "LOGPROB_CHUNK", chunk)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path, tie_word_embeddings=bool(tied)))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path, tie_word_embeddings=tied))
     prompts, comps = [[1, 2, 3], [4, 5], [9, 8, 7, 6]], [[6, 7], [8, 9, 10, 11], [12]]
     head_rows = []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_rows.append(out.shape[:-1].numel()))
@@ -298,7 +304,9 @@ def test_each_rank_and_step_draws_its_own_prompts_reproducibly(monkeypatch):
         for rank in range(4):
             monkeypatch.setattr(g, "RANK", rank)
             batch = g.prompts_for_step(src, step, prompts_per_rank=2, world_size=4)
-            assert batch == g.prompts_for_step(g.prompt_source(cfg), step, 2, 4)  # f(seed, step, rank)
+            assert len(batch) == 2 and batch == g.prompts_for_step(
+                g.prompt_source(cfg), step, 2, 4
+            )  # f(seed, step, rank)
             batches += batch
     assert len({question(row) for row in batches}) > 20  # 24 distinct problems (a few collisions by chance)
     assert g.prompt_source(g.Config(seed=1, num_eval_prompts=8))[0] != src[0]
@@ -534,8 +542,8 @@ def inputs_dir(tmp_path_factory):
     a DeepSpeed config, output folders holding another run."""
     d = tmp_path_factory.mktemp("inputs")
     tiny_llama_folder(d / "model", vocab=49152, tokenizer=True)
-    tiny_llama_folder(d / "heads", hidden=48, heads=(6, 3), tokenizer=True)
-    tiny_llama_folder(d / "softcap", tokenizer=True, final_logit_softcapping=30.0)  # Gemma 2's
+    tiny_llama_folder(d / "h6", hidden=48, heads=(6, 3), tokenizer=True)
+    tiny_llama_folder(d / "sc", tokenizer=True, final_logit_softcapping=30.0)  # Gemma 2's
     tiny_llama_folder(d / "no_weights", tokenizer=True)  # a download or a copy cut short
     os.remove(d / "no_weights" / "model.safetensors")
     tiny_llama_folder(d / "no_tokenizer")
@@ -544,7 +552,7 @@ def inputs_dir(tmp_path_factory):
     tok.save_pretrained(tiny_llama_folder(d / "no_template"))
     (d / "no_template" / "chat_template.jinja").unlink(missing_ok=True)
     (d / "bad.json").write_text('{"zero_optimization": {"stage": 3,}}')
-    write_dataset(d / "no_prompt.jsonl", [{"question": "a", "answer": "1"}])
+    write_dataset(d / "q.jsonl", [{"question": "a", "answer": "1"}])
     write_dataset(d / "folder", [{"prompt": "a", "answer": "1"}])
     write_dataset(d / "five.jsonl", [{"prompt": "a", "answer": "1"}] * 5)
     (d / "used").mkdir()
@@ -554,46 +562,53 @@ def inputs_dir(tmp_path_factory):
 
 
 # Every option check and every load, as load_inputs runs them on every rank of a node of 2, before anything heavy: one
-# row a case, "ranks | options | the start of its one line". Each line names its option, whole where the README
-# quotes it. TMP is the inputs_dir fixture; --model TMP/model and --output_dir TMP/out unless given. wandb reads as not
-# installed; a --chat_template_kwargs cut short is JSON's own error; five rows of data hold no training row; heads is
-# a model of 6 attention and 3 KV heads, no_template one without a chat template; 1000 + 256 is over the context, 1024.
+# row a case, "ranks | options | the start of its one line": ours whole, a library's error up to its type. TMP is the
+# inputs_dir fixture; --model TMP/model and --output_dir TMP/out unless given. wandb reads as not installed; five rows
+# of data hold no training row; h6 is a model of 6 attention and 3 KV heads, sc one that soft-caps its logits,
+# no_template one without a chat template; 1000 + 128 is over the context, 1024.
 REFUSED = """
 2 | --learning_rate nan | --learning_rate nan: must be a finite number
-2 | --max_steps 0 | --max_steps
-2 | --save_steps -1 | --save_steps
+2 | --vllm_tensor_parallel_size 0 | --vllm_tensor_parallel_size: must be >= 1
+2 | --max_steps 0 --max_completion_length 0 | --max_steps, --max_completion_length: must be >= 1
+2 | --num_eval_prompts -1 --save_steps -1 | --num_eval_prompts, --save_steps: must be >= 0
+2 | --num_completions_to_print -1 | --num_completions_to_print: must be >= 0
+2 | --reward_weights 1 nan | --reward_weights nan: must be a finite number
 2 | --vllm_tensor_parallel_size 3 | --vllm_tensor_parallel_size 3 must divide the 2 ranks and the 2 per node
 4 | --vllm_tensor_parallel_size 4 | --vllm_tensor_parallel_size 4 must divide the 4 ranks and the 2 per node
 2 | --num_generations 1 | --num_generations 1: a group needs at least 2 completions
 2 | --per_device_train_batch_size 12 | completions per rank 12 must be a multiple of --num_generations 8
-2 | --learning_rate 0 | --learning_rate
-2 | --max_grad_norm -1 | --max_grad_norm
-2 | --weight_decay -0.1 | --beta and --weight_decay
-2 | --epsilon 0 | --epsilon
-2 | --vllm_importance_sampling_clip_max 0.5 | --vllm_importance_sampling_clip_max
-2 | --temperature 0 | --temperature
-2 | --save_total_limit 0 | --save_total_limit
-2 | --vllm_gpu_memory_utilization 1.5 | --vllm_gpu_memory_utilization
-2 | --reward_weights 1 | --reward_weights
-2 | --reward_funcs a.score b.score | --reward_funcs
-2 | --report_to mlflow | --report_to
-2 | --report_to wandb | --report_to
-2 | --chat_template_kwargs [1] | --chat_template_kwargs
-2 | --chat_template_kwargs {"enable_thinking": | --chat_template_kwargs
+2 | --learning_rate 0 | --learning_rate 0.0: must be > 0
+2 | --max_grad_norm -1 | --max_grad_norm -1.0: must be > 0 (the clipping threshold)
+2 | --weight_decay -0.1 | --beta and --weight_decay must be >= 0
+2 | --beta -0.1 | --beta and --weight_decay must be >= 0
+2 | --epsilon 0 | --epsilon / --epsilon_high: the clip range must be > 0 / >= 0
+2 | --epsilon_high -0.1 | --epsilon / --epsilon_high: the clip range must be > 0 / >= 0
+2 | --vllm_importance_sampling_clip_max 0.5 | --vllm_importance_sampling_clip_max 0.5: must be >= 1 (e.g. 3)
+2 | --temperature 0 | --temperature 0.0: vLLM samples anything below 0.01 as 0.01
+2 | --save_total_limit 0 | --save_total_limit: at least 1 checkpoint
+2 | --vllm_gpu_memory_utilization 1.5 | --vllm_gpu_memory_utilization must be in (0, 1), e.g. 0.3
+2 | --vllm_gpu_memory_utilization 0 | --vllm_gpu_memory_utilization must be in (0, 1), e.g. 0.3
+2 | --reward_weights 1 | --reward_weights: one weight per name in --reward_funcs
+2 | --reward_funcs format my.format --reward_weights 1 1 | --reward_funcs ['format', 'my.format']: two share a name
+2 | --report_to mlflow | --report_to ['mlflow']: none, wandb or trackio
+2 | --report_to wandb | --report_to wandb: the wandb package is not installed (pip install wandb)
+2 | --chat_template_kwargs [1] | --chat_template_kwargs [1]: must be a JSON object
+2 | --chat_template_kwargs '{"enable_thinking":' | --chat_template_kwargs {"enable_thinking":: JSONDecodeError:
 2 | --output_dir TMP/used | --output_dir TMP/used holds another run: pass --resume latest, or another --output_dir
 2 | --deepspeed_config TMP/bad.json | --deepspeed_config TMP/bad.json: JSONDecodeError:
 2 | --model TMP/missing | --model TMP/missing: OSError:
 2 | --model TMP/no_tokenizer | --model TMP/no_tokenizer:
-2 | --model TMP/heads --vllm_tensor_parallel_size 2 | --vllm_tensor_parallel_size 2 cannot split 6 attention / 3 KV
-2 | --max_prompt_length 1000 | --max_prompt_length + --max_completion_length
-2 | --model TMP/softcap | --model TMP/softcap: its final_logit_softcapping changes the logits after the LM head
+2 | --model TMP/h6 --vllm_tensor_parallel_size 2 | --vllm_tensor_parallel_size 2 cannot split 6 attention / 3 KV heads
+2 | --max_prompt_length 1000 | --max_prompt_length + --max_completion_length = 1128: over the context, 1024
+2 | --model TMP/sc | --model TMP/sc: its final_logit_softcapping changes the logits after the LM head (unsupported)
 2 | --model TMP/no_weights | --model TMP/no_weights: a config.json but no weights in the folder
 2 | --reward_funcs nope | --reward_funcs nope: neither one of ['brevity', 'correctness', 'format'] nor module.function
 2 | --reward_funcs no_such_module.fn | --reward_funcs no_such_module.fn: ModuleNotFoundError:
+2 | --reward_funcs json.missing | --reward_funcs json.missing: AttributeError:
 2 | --dataset_name TMP/missing.jsonl | --dataset_name TMP/missing.jsonl: FileNotFoundError:
-2 | --dataset_name TMP/no_prompt.jsonl | --dataset_name TMP/no_prompt.jsonl: needs a 'prompt' column ('answer'
+2 | --dataset_name TMP/q.jsonl | --dataset_name TMP/q.jsonl: needs a 'prompt' column ('answer' for correctness); has
 2 | --dataset_name TMP/folder --dataset_train_split validation | --dataset_name TMP/folder: KeyError:
-2 | --dataset_name TMP/five.jsonl | --dataset_name TMP/five.jsonl
+2 | --dataset_name TMP/five.jsonl | --dataset_name TMP/five.jsonl: no rows left after --num_eval_prompts
 2 | --model TMP/no_template | --model TMP/no_template: ValueError:
 2 | --output_dir TMP/fresh --resume latest | --resume latest: no checkpoint in TMP/fresh
 4 | --output_dir TMP/used --resume latest | --resume TMP/used/checkpoint-2: saved with world_size 8, resumed with 4
@@ -620,9 +635,12 @@ def test_good_input_loads(inputs_dir, monkeypatch):
     model = str(inputs_dir / "model")
     out = str(inputs_dir / "out")
     smollm2 = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, max_position_embeddings=2048)
-    g.check_options(g.Config(vllm_tensor_parallel_size=3), 6)
+    g.check_options(g.Config(vllm_tensor_parallel_size=3, chat_template_kwargs='{"enable_thinking": false}'), 6)
     g.check_model(g.Config(vllm_tensor_parallel_size=3, model=model), smollm2)
     g.check_model(g.Config(model=model), LlamaConfig(final_logit_softcapping=None, lm_head_multiplier=1.0))
+    for name in ("logit_scale", "logits_scaling", "lm_head_multiplier"):  # and any other value of each
+        with pytest.raises(g.ConfigError, match=f"its {name} changes the logits after the LM head \\(unsupported\\)$"):
+            g.check_model(g.Config(model=model), LlamaConfig(**{name: 0.5}))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = g.Config(model=model, output_dir=out, vllm_tensor_parallel_size=2, learning_rate=2e-6, max_grad_norm=0.5)
     inputs = g.load_inputs(cfg, 4)
@@ -763,16 +781,16 @@ def test_metrics_of_all_ranks_a_nan_on_one_stops_every_rank_and_the_loss_denomin
         lengths = {"completions/mean_length": 2.0, "completions/max_length": 3.0, "completions/clipped_ratio": 0.5}
         sync = {"sampling/logp_diff_mean": pytest.approx(0.1), "sampling/logp_diff_max": pytest.approx(0.2)}
         sync |= {"sampling/is_ratio_mean": 1.0, "sampling/is_ratio_max": 1.0}
-        loss = {"entropy": 1.0, "kl": 0.25, "clip_ratio/low": 0.125, "clip_ratio/high": 0.0}
-        loss |= {"loss": 0.5, "grad_norm": 1.0}
-        rest = {"completions/total_tokens": 8.0, "prompts/hash": 2.0 * zlib.crc32(b'["p"]'), "eval/reward": 1.5}
-        assert m == {**rewards, **lengths, **sync, **loss, **rest, "only_rank1_max": -2.0}
+        training = {"entropy": 1.0, "kl": 0.25, "clip_ratio/low": 0.125, "clip_ratio/high": 0.0}
+        training |= {"loss": 0.5, "grad_norm": 1.0}
+        others = {"completions/total_tokens": 8.0, "prompts/hash": 2.0 * zlib.crc32(b'["p"]'), "eval/reward": 1.5}
+        assert m == {**rewards, **lengths, **sync, **training, **others, "only_rank1_max": -2.0}
         assert out[2] is True and out[3] == {}
         sequences = [3, 2][rank]
         denominators = {t: s.pop("denominator") for t, s in out[4].items()}
         assert denominators == pytest.approx({"dapo": 7, "grpo": sequences, "dr_grpo": sequences * 5}), rank
-        for loss_type, rest in out[4].items():  # the clip, beta and loss type passed on as they are
-            assert rest == {"loss_type": loss_type, "epsilon_low": 0.1, "epsilon_high": 0.3, "beta": 0.04}, rank
+        for loss_type, settings in out[4].items():  # the clip, beta and loss type passed on as they are
+            assert settings == {"loss_type": loss_type, "epsilon_low": 0.1, "epsilon_high": 0.3, "beta": 0.04}, rank
 
 
 def test_time_metrics_by_hand():
@@ -991,34 +1009,6 @@ def test_weight_push_order(monkeypatch):
     assert calls == ["reload_weights", "load_weights 4 tensors", repacked, "reset_prefix_cache"]
 
 
-def test_the_first_push_must_load_every_parameter_of_the_engine():
-    """The names vLLM's loader returns against the engine model's parameters; a tied lm_head is the embedding's
-    parameter in vLLM (listed once), not a gap."""
-
-    class VllmModel(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed_tokens = torch.nn.Embedding(8, 4)
-            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
-            self.lm_head = torch.nn.Linear(4, 8, bias=False)
-            self.lm_head.weight = self.embed_tokens.weight  # tied
-
-    class Engine:
-        def apply_model(self, fn):
-            return [fn(VllmModel())]
-
-    engine = Engine()
-    every = {"embed_tokens.weight", "layers.0.weight", "layers.0.bias", "layers.1.weight", "layers.1.bias"}
-    g.check_push_loaded_everything(engine, every)
-    for loaded, gap in [
-        (every - {"layers.1.bias"}, "1 of vLLM's 5 parameters unloaded: layers.1.bias"),
-        ({"layers.0.weight"}, "4 of vLLM's 5 parameters unloaded: embed_tokens.weight, layers.0.bias, layers.1.bias"),
-    ]:
-        with pytest.raises(g.ConfigError) as e:
-            g.check_push_loaded_everything(engine, loaded)
-        assert str(e.value) == f"the weight push left {gap}"
-
-
 def test_sleep_keeps_torch_cache_for_the_trainer(monkeypatch):
     """vLLM's allocator ends sleep(level=2) with torch.cuda.empty_cache(): every block the trainer cached would go back
     to the driver and be cudaMalloc'ed again in its next step. sleep_vllm sleeps at level 2 without it and puts
@@ -1149,10 +1139,10 @@ def zero3_worker(rank, world, model, out_dir):
         isw = g.importance_weights(logp.detach(), vllm_logp, 3.0)
         # the whole global batch's denominator: its tokens (dapo), its sequences (grpo; dr_grpo: x T)
         denominator = {"dapo": live.sum().item(), "grpo": len(comps), "dr_grpo": len(comps) * T}[loss_type]
-        loss, _ = g.grpo_loss(
+        plain_loss, _ = g.grpo_loss(
             logp, logp.detach(), adv, live, is_weight=isw, loss_type=loss_type, denominator=denominator
         )
-        loss.backward()
+        plain_loss.backward()
         worst = 0.0
         for n, p in plain.named_parameters():
             worst = max(worst, ((grads[n] - p.grad).abs().max() / p.grad.abs().max().clamp(min=1e-8)).item())
@@ -1327,7 +1317,9 @@ sys.path.insert(0, {here!r})
 import torch
 from transformers import AutoModelForCausalLM
 import grpo_colocate as g
-push, grpo_loss, check = g.push_weights_to_vllm, g.grpo_loss, g.check_push_loaded_everything  # the originals
+push = g.push_weights_to_vllm  # the originals
+grpo_loss = g.grpo_loss
+check = g.check_push_loaded_everything
 pushes = []
 
 def faulty_push(llm, model, sleep_mode, wake_bytes=0):
@@ -1389,7 +1381,9 @@ def copy_core_then_train(cfg, inputs, colo, run_log, device):  # (the run's own 
     train(cfg, inputs, colo, run_log, device)
 
 train = g.train
-g.push_weights_to_vllm, g.grpo_loss, g.check_push_loaded_everything = faulty_push, nan_loss, check_with_a_gap_first
+g.push_weights_to_vllm = faulty_push
+g.grpo_loss = nan_loss
+g.check_push_loaded_everything = check_with_a_gap_first
 g.train = copy_core_then_train
 g.main()
 """
@@ -1461,8 +1455,9 @@ def test_bad_input_through_run_sh_is_one_line_a_rank_and_one_of_run_sh(tmp_path)
     data = tmp_path / "data.jsonl"
     data.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": oops}\n')
     t0 = time.time()
-    log = launch_run_sh(["--dataset_name", str(data)], tmp_path / "out").communicate(timeout=300)[0]
-    assert time.time() - t0 < 120, log[-3000:]  # (loading only: no engine, no trainer)
+    proc = launch_run_sh(["--dataset_name", str(data)], tmp_path / "out")
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2 and time.time() - t0 < 120, log[-3000:]  # (loading only: no engine, no trainer)
     error = f"error: --dataset_name {data}: DatasetGenerationError: "
     assert len(re.findall("^" + re.escape(error), log, re.M)) == 2, log[-3000:]  # one line from each rank
     last = log.rstrip("\n").splitlines()[-1]
@@ -1585,8 +1580,9 @@ def test_a_rank_killed_while_saving_stops_the_run_and_leaves_the_last_checkpoint
     t0 = time.time()
     script = launcher(tmp_path, FAULT, function="save_checkpoint", n=2, sig="SIGKILL")
     rc, log, metrics = torchrun(args, tmp_path, script=script)
-    assert rc != 0 and time.time() - t0 < 300 and steps_logged(tmp_path) == [0, 1], log[-3000:]
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-1") is not None
+    assert rc != 0 and time.time() - t0 < 120 and steps_logged(tmp_path) == [0, 1], log[-3000:]
+    assert "stopped by a signal" not in log, log[-3000:]  # (torchrun's SIGTERM to the others is no clean stop)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint-1")
     assert os.path.isdir(tmp_path / "checkpoint-1" / "deepspeed" / "state")
     saved = [d for d in os.listdir(tmp_path) if d.startswith("checkpoint-") and not d.endswith(".tmp")]
     assert saved == ["checkpoint-1"]
