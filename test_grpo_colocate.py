@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import grpo_colocate as g
@@ -1185,6 +1186,16 @@ def zero3_worker(rank, world, model, out_dir):
     engine = g.build_trainer(resumed, model, ds_config, torch.float32)
     g.load_training_state(engine, out_dir, ds_config)
     out["resumed_settings"] = {(group["lr"], group["weight_decay"]) for group in engine.optimizer.param_groups}
+
+    def nan_norm():  # what a bf16 overflow leaves (ZeRO-3 applies it anyway: its overflow check is fp16's)
+        return float("nan")
+
+    engine.get_global_grad_norm = nan_norm
+    out["nan_grad_norm"] = "trained on"
+    try:
+        g.train_on_rollouts(engine, None, r, adv[mine], resumed, torch.device("cpu"), 0, g.Stats())
+    except g.NonFiniteError as e:
+        out["nan_grad_norm"] = str(e)
     return out
 
 
@@ -1194,7 +1205,7 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
     type and the cases zero3_worker lists, against a plain forward. The config's attention dropout 0.5 must be switched
     off by build_trainer (vLLM samples without it). The push's bucketed gather: the same tensors as one parameter at a
     time, in a few all-gathers none much over its bucket, the whole parameters left whole. A resumed run trains at its
-    own learning rate and weight decay."""
+    own learning rate and weight decay; a non-finite gradient norm stops it."""
     model = tiny_llama_folder(tmp_path / "model", dropout=0.5, tie_word_embeddings=True)
     for out in run_workers(zero3_worker, 2, model, str(tmp_path / "ckpt"), timeout=600).values():
         n_whole, still_whole, same_values = out["persistent_push"]
@@ -1209,6 +1220,7 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
             assert steps == iters and grad_norm == pytest.approx(mean_norm, rel=1e-6)  # the mean over optimizer steps
         assert out["ref_forwards"] == 2  # 2 micro-batches, 2 passes: the reference once per micro-batch
         assert out["resumed_settings"] == {(1e-6, 0.05)}
+        assert out["nan_grad_norm"] == "non-finite gradient norm; stopped"
 
 
 # ------------------------------------------------------------------------------------------ end to end, under torchrun
@@ -1268,8 +1280,6 @@ def tiny_model(tmp_path_factory):
 
 
 def load_weights(folder):
-    from safetensors.torch import load_file
-
     files = [os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")]
     return {name: tensor for f in files for name, tensor in load_file(f).items()}
 
