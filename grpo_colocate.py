@@ -10,9 +10,9 @@ puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). On
   1. wake vLLM and push the trained weights into it (`push_weights_to_vllm`, through `gathered_params`);
   2. exchange prompts in the TP group, generate G completions each (`generate`), sleep(level=2) (`sleep_vllm`);
   3. rewards (`score`) -> group-relative advantages (`group_advantages`);
-  4. the trainer's log-probs (`sequence_logprobs`), the clipped loss (`grpo_loss`; denominators: `loss_settings`),
-     backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`): the trainer's
-     log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights in vLLM show.
+  4. the trainer's log-probs (`sequence_logprobs`, `LogprobModel`), the clipped loss (`grpo_loss`; denominators:
+     `loss_settings`), backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`):
+     the trainer's log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights show.
 The mechanisms follow `train` in that order, then the data, then the plumbing. Deviations from the paper and from TRL
 1.16: README.md, "Deviations from TRL". Launch (`bash run.sh` does it; --save_steps 50, and --resume latest after a
 stop or a crash; SIGTERM or SIGINT stops at the next safe point with a checkpoint, exit status 0):
@@ -149,9 +149,11 @@ class Config:
 
 
 PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (its extra memory, + 1 parameter)
-LOGPROB_CHUNK = 2**28  # the trainer's log-prob pass makes at most ~this many logits (1 GiB in float32) at a time
-# what some models do to the logits after the LM head (Gemma 2, Cohere, Granite, Falcon-H1): see check_model
+# logits per LM head chunk of the trainer's log-prob pass (1 GiB in float32); its peak: 3 chunks in backward, 2 forward
+LOGPROB_CHUNK = 2**28
+# what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, Inkling): see check_model
 LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
+LOGIT_TRANSFORMS += ["logits_mup_width_multiplier"]  # (divides the hidden state before the head)
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -243,7 +245,7 @@ class Colocation:
     """What `setup` builds: the engine and the trainer that take turns on this rank's GPU."""
 
     llm: object  # this rank's vLLM engine: asleep between steps in sleep mode
-    trainer: object  # the policy's DeepSpeed ZeRO-3 engine (its HF model: trainer.module)
+    trainer: object  # the policy's DeepSpeed ZeRO-3 engine (its LogprobModel: trainer.module)
     ref: object | None  # the frozen reference (beta > 0)
     tp_group: object | None  # this rank's TP group (None at TP 1)
     sleep_mode: bool
@@ -649,55 +651,64 @@ def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
 
 
 def sequence_logprobs(model, prompts, completions, temperature: float, device, pad_id: int, max_tokens: int):
-    """Each completion's log-probs and entropies: two [B, T] tensors (T: the longest), 0 past its end. max_tokens:
-    the most a micro-batch can hold, which sets the LM head's chunks (see chunked_logprobs)."""
+    """Each completion's log-probs and entropies: two [B, T] tensors (T: the longest), 0 past its end. model: a
+    LogprobModel, or DeepSpeed's engine around one. max_tokens: the most a micro-batch can hold, which sets the number
+    of LM head chunks (ZeRO-3's rule, in LogprobModel)."""
 
     def to_device(host: torch.Tensor) -> torch.Tensor:  # from pinned memory: the CPU does not wait for the GPU
         return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
 
     sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
     width = max(len(s) for s in sequences)
-    padded = [s + [pad_id] * (width - len(s)) for s in sequences]  # right padding
-    attention = [[1] * len(s) + [0] * (width - len(s)) for s in sequences]
-    ids, attention_mask = to_device(torch.tensor([padded, attention]))  # [B, L] each
+    ids = to_device(torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences]))  # [B, L], right padding
     # Position t predicts token t + 1: completion token t of row i is predicted at position len(prompt i) - 1 + t
     lengths = torch.tensor([len(c) for c in completions])  # [B]
     mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
     rows, columns = mask.nonzero(as_tuple=True)  # [N] each, row by row: token `columns` of completion `rows`
     positions = torch.tensor([len(p) - 1 for p in prompts])[rows] + columns  # [N]
     predicting = to_device(torch.stack([rows, positions]))  # [2, N]: (row, position) of each token's prediction
-    logp, entropy = logprobs_forward(model, ids, attention_mask, predicting, temperature, max_tokens)  # [N] each
+    vocab_size = getattr(model, "module", model).causal_lm.get_output_embeddings().out_features
+    num_chunks = math.ceil(max_tokens * vocab_size / LOGPROB_CHUNK)
+    logp, entropy = model(ids, predicting, temperature, num_chunks)  # [N] each
     mask = to_device(mask)
     zeros = torch.zeros(mask.shape, device=device)
     return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each, row by row as N
 
 
-def logprobs_forward(model, ids, attention_mask, predicting, temperature: float, max_tokens: int):
-    """One forward returning the log-probs and entropies [N] of ids[row, position + 1] for the (row, position) pairs of
-    predicting [2, N], not [B, L, V] logits. Hooks take the head's input (the final hidden states) and make the
-    log-probs the model's own output: ZeRO-3's engine hooks its backward pass (gradient reduction, offload) onto it."""
-    hf_model = getattr(model, "module", model)  # (DeepSpeed's engine holds the HF model)
-    head = hf_model.get_output_embeddings()
-    num_chunks = math.ceil(max_tokens * head.out_features / LOGPROB_CHUNK)  # (see chunked_logprobs)
-    hidden_states = []
+class LogprobModel(torch.nn.Module):
+    """A causal LM whose forward returns the log-probs and entropies of chosen tokens, never [B, L, V] logits.
 
-    def take_hidden_states(head, args):  # keeps the head's input and replaces it: logits for no position
-        hidden_states.append(args[0])
-        return (args[0][..., :0, :],)
+    DeepSpeed's engine attaches its backward work (ZeRO-3's gradient reduction, offload, the end of accumulation) to
+    the output of the module it wraps, so the log-probs must be that output, as here: a loss computed beside the output
+    gets wrong gradients. It assumes what TRL 1.16 assumes: the logits are the LM head applied to the base model's last
+    hidden state (check_model refuses a model that changes them after the head: LOGIT_TRANSFORMS).
 
-    def logprobs_as_output(hf_model, args, output):
-        head_hook.remove()  # (the chunks' calls of the head below are plain calls)
+    ZeRO-3's rule: every rank calls a partitioned module the same number of times, in the same order. Each call gathers
+    the module's weights from every rank in a collective, so a rank that makes one call more waits forever for the
+    others. This is why the LM head runs in a number of chunks that every rank computes alike (chunked_logprobs).
+
+    The HF model's children are registered under their own names, so the parameter names, the weight push and the
+    checkpoints are the HF model's."""
+
+    def __init__(self, causal_lm):
+        super().__init__()
+        for name, child in causal_lm.named_children():  # e.g. `model` and `lm_head`
+            self.add_module(name, child)
+        # kept for its config, base model, head and save_pretrained; not a submodule, or its parameters would be
+        # registered twice (under `causal_lm.` names)
+        object.__setattr__(self, "causal_lm", causal_lm)
+
+    def forward(self, ids, predicting, temperature: float, num_chunks: int):
+        """ids [B, L], right-padded; predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob
+        of ids[row, position + 1] there and the entropy there, [N] each."""
+        # No attention mask: every pad comes after every real token of its row, causal attention never looks ahead,
+        # and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). Without a mask SDPA can
+        # take its Flash kernel: the train phase at 8k-token rows took half the time.
+        hidden_states = self.causal_lm.base_model(input_ids=ids).last_hidden_state  # [B, L, H]
         rows, positions = predicting
-        hidden = hidden_states[0][rows, positions]  # [N, H]
-        return chunked_logprobs(head, hidden, ids[rows, positions + 1], temperature, num_chunks)
-
-    head_hook = head.register_forward_pre_hook(take_hidden_states)
-    model_hook = hf_model.register_forward_hook(logprobs_as_output, prepend=True)  # (before ZeRO-3's hooks)
-    try:
-        return model(input_ids=ids, attention_mask=attention_mask)
-    finally:
-        head_hook.remove()
-        model_hook.remove()
+        hidden = hidden_states[rows, positions]  # [N, H]
+        tokens = ids[rows, positions + 1]  # [N]
+        return chunked_logprobs(self.causal_lm.get_output_embeddings(), hidden, tokens, temperature, num_chunks)
 
 
 def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
@@ -713,9 +724,11 @@ def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperatu
 def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float):
     """hidden [n, H] -> the head's logits [n, V] -> log p(token), entropy (no grad) [n] of softmax(logits / T)."""
     logp_all = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [n, V]
-    with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)  # [n]
     logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
+    # The entropy comes after the gather: the backward pass's recompute stops at the gather (checkpoint's early stop),
+    # so it never recomputes the entropy. exp() makes one more [n, V] tensor; the product goes into it, not a third.
+    with torch.no_grad():
+        entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # [n]
     return logp, entropy
 
 
@@ -804,7 +817,8 @@ def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
 
 
 def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, train: bool = True):
-    """A ZeRO-3 engine of the model (train=False: a frozen reference), dropout off: vLLM samples without it."""
+    """A ZeRO-3 engine of the model as a LogprobModel (train=False: a frozen reference), dropout off: vLLM samples
+    without it."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
@@ -826,8 +840,9 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules (hooks cost CPU time per call)
     deepspeed.utils.set_z3_leaf_modules(model, model._no_split_modules or [], raise_if_not_found=False)
-    trainable = model.parameters() if train else None
-    trainer, *_ = deepspeed.initialize(model=model, config=ds_config, model_parameters=trainable)
+    logprob_model = LogprobModel(model)  # what DeepSpeed wraps: its forward's output is the log-probs
+    trainable = logprob_model.parameters() if train else None
+    trainer, *_ = deepspeed.initialize(model=logprob_model, config=ds_config, model_parameters=trainable)
     del zero3_while_loading  # (kept alive until here)
     if not train:
         trainer.eval()
@@ -1125,7 +1140,8 @@ def check_model(cfg: Config, model_config) -> None:
     if length > context:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: over the context, {context}")
     if scaling:
-        raise ConfigError(f"--model {cfg.model}: its {scaling[0]} changes the logits after the LM head (unsupported)")
+        unsupported = f"its {scaling[0]} changes the logits outside the LM head (unsupported)"
+        raise ConfigError(f"--model {cfg.model}: {unsupported}")
     if os.path.isdir(cfg.model) and not weights:
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
 
@@ -1166,11 +1182,14 @@ def check_output_dir(cfg: Config) -> None:
 
 def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
     """Every prompt of the data (of the built-in task: its eval rows) fits --max_prompt_length: none is ever cut."""
-    if isinstance(source, DatasetRows):
-        prompts = source.dataset["prompt"]  # (the whole column in one read)
+    if isinstance(source, DatasetRows):  # 1,024 rows at a time: only their lengths are kept
+        batches = (batch["prompt"] for batch in source.dataset.select_columns("prompt").iter(batch_size=1024))
     else:  # (and its first training row: a model without a chat template fails here with --num_eval_prompts 0 too)
-        prompts = [row["prompt"] for row in [*source.eval_rows, source[0]]]
-    lengths = sorted(len(ids) for ids in encode_prompts(tokenizer, list(prompts), cfg.template_kwargs))
+        batches = [[row["prompt"] for row in [*source.eval_rows, source[0]]]]
+    lengths = []
+    for prompts in batches:
+        lengths += [len(ids) for ids in encode_prompts(tokenizer, prompts, cfg.template_kwargs)]
+    lengths.sort()
     over = sum(n > cfg.max_prompt_length for n in lengths)
     if over:
         p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]
@@ -1228,13 +1247,14 @@ class PhaseTimer:
 
 
 def save_model(model, tokenizer, out_dir: str) -> None:
-    """An HF folder that transformers and vLLM load (weights gathered in buckets); all ranks call it, rank 0 writes."""
+    """An HF folder that transformers and vLLM load (model: a LogprobModel, its weights gathered in buckets); all ranks
+    call it, rank 0 writes."""
     state = {}
     for name, tensor in gathered_params(model):  # every rank takes part in every gather
         if RANK == 0:
             state[name] = tensor.detach().to("cpu", copy=True)
     if RANK == 0:
-        model.save_pretrained(out_dir, state_dict=state)
+        model.causal_lm.save_pretrained(out_dir, state_dict=state)
         tokenizer.save_pretrained(out_dir)
     dist.barrier()
 

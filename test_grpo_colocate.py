@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 import grpo_colocate as g
 import offline_model
@@ -195,22 +202,27 @@ def full_logits_logprobs(model, prompts, comps, temperature):
 
 
 @pytest.mark.parametrize(
-    "chunk,calls,widest,tied", [(64, 8, 1, True), (300, 2, 4, False), (g.LOGPROB_CHUNK, 1, 7, True)]
+    "chunk,calls,widest,tied,window",
+    [(64, 8, 1, True, None), (300, 2, 4, False, None), (g.LOGPROB_CHUNK, 1, 7, True, 3)],
 )
-def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, calls, widest, tied):
+def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, calls, widest, tied, window):
     """Padding and the prompt/completion boundary: each row's log-probs, entropies and their gradients equal a forward
-    pass over that row alone with the whole vocabulary's logits (float32). The LM head runs in a fixed number of
-    chunks set by max_tokens and the vocabulary (64): one position per call, 4 and 3, or all 7 in one; calls with
-    no positions fill the count, and the model's own forward gives the head no positions (no [B, L, V] logits)."""
+    pass over that row alone with the whole vocabulary's logits (float32), also under a sliding window shorter than
+    the longest row (Mistral's). The LM head runs in a fixed number of chunks set by max_tokens and the vocabulary
+    (64): one position per call, 4 and 3, or all 7 in one; calls with no positions fill the count."""
     monkeypatch.setattr(g, "LOGPROB_CHUNK", chunk)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path, tie_word_embeddings=tied))
+    if window:  # rows of 5, 6 and 5 tokens
+        shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+        model = MistralForCausalLM(MistralConfig(vocab_size=64, num_hidden_layers=2, sliding_window=window, **shape))
     prompts, comps = [[1, 2, 3], [4, 5], [9, 8, 7, 6]], [[6, 7], [8, 9, 10, 11], [12]]
     head_rows = []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_rows.append(out.shape[:-1].numel()))
-    logp, ent = g.sequence_logprobs(model, prompts, comps, temperature=0.7, device="cpu", pad_id=0, max_tokens=8)
+    logprob_model = g.LogprobModel(model)
+    logp, ent = g.sequence_logprobs(logprob_model, prompts, comps, 0.7, device="cpu", pad_id=0, max_tokens=8)
     hook.remove()
-    # calls: ceil(max_tokens x V / LOGPROB_CHUNK) after the forward's; widest: ceil(7 / calls) positions
-    assert head_rows[0] == 0 and sum(head_rows) == 7 and len(head_rows) == 1 + calls and max(head_rows) == widest
+    # calls: ceil(max_tokens x V / LOGPROB_CHUNK); widest: ceil(7 / calls) positions
+    assert sum(head_rows) == 7 and len(head_rows) == calls and max(head_rows) == widest
     assert logp.shape == ent.shape == (3, 4)
     weights = torch.randn(logp.shape)
     (logp * weights).sum().backward()
@@ -242,7 +254,7 @@ def test_the_log_prob_pass_keeps_no_vocabulary_sized_tensor_for_backward(tmp_pat
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        g.sequence_logprobs(model, prompts, comps, 1.0, "cpu", 0, max_tokens=4 * 512)
+        g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 1.0, "cpu", 0, max_tokens=4 * 512)
     assert sum(sizes) / 2**30 <= 0.25, sum(sizes) / 2**30
 
 
@@ -601,7 +613,7 @@ REFUSED = """
 2 | --model TMP/no_tokenizer | --model TMP/no_tokenizer:
 2 | --model TMP/h6 --vllm_tensor_parallel_size 2 | --vllm_tensor_parallel_size 2 cannot split 6 attention / 3 KV heads
 2 | --max_prompt_length 1000 | --max_prompt_length + --max_completion_length = 1128: over the context, 1024
-2 | --model TMP/sc | --model TMP/sc: its final_logit_softcapping changes the logits after the LM head (unsupported)
+2 | --model TMP/sc | --model TMP/sc: its final_logit_softcapping changes the logits outside the LM head (unsupported)
 2 | --model TMP/no_weights | --model TMP/no_weights: a config.json but no weights in the folder
 2 | --reward_funcs nope | --reward_funcs nope: neither one of ['brevity', 'correctness', 'format'] nor module.function
 2 | --reward_funcs no_such_module.fn | --reward_funcs no_such_module.fn: ModuleNotFoundError:
@@ -639,8 +651,9 @@ def test_good_input_loads(inputs_dir, monkeypatch):
     g.check_options(g.Config(vllm_tensor_parallel_size=3, chat_template_kwargs='{"enable_thinking": false}'), 6)
     g.check_model(g.Config(vllm_tensor_parallel_size=3, model=model), smollm2)
     g.check_model(g.Config(model=model), LlamaConfig(final_logit_softcapping=None, lm_head_multiplier=1.0))
-    for name in ("logit_scale", "logits_scaling", "lm_head_multiplier"):  # and any other value of each
-        with pytest.raises(g.ConfigError, match=f"its {name} changes the logits after the LM head \\(unsupported\\)$"):
+    for name in g.LOGIT_TRANSFORMS:  # and any other value of each
+        unsupported = f"its {name} changes the logits outside the LM head \\(unsupported\\)$"
+        with pytest.raises(g.ConfigError, match=unsupported):
             g.check_model(g.Config(model=model), LlamaConfig(**{name: 0.5}))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = g.Config(model=model, output_dir=out, vllm_tensor_parallel_size=2, learning_rate=2e-6, max_grad_norm=0.5)
@@ -1362,7 +1375,7 @@ def nan_loss(*args, **kwargs):  # step 3, last rank only: a NaN loss
 # sleep_vllm -> push (which wakes the engine) -> generate. Prints vLLM's log-probs of what it sampled against the new
 # weights' own: for the second generate (they must agree) and for the first (they must not).
 def copy_core(llm, model_path):
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = g.LogprobModel(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32))
     prompts = [[1, 5, 9, 13], [2, 6, 10]]
     params = g.sampling_params(2, 1.0, 8)
 

@@ -63,7 +63,7 @@ if __name__ == "__main__":
     tokenizer = AutoTokenizer.from_pretrained(offline_model.build())
     shape = {"vocab_size": len(tokenizer), **SHAPES[size]}  # the shape's own vocabulary wins
     cfg = LlamaConfig(
-        max_position_embeddings=4096,  # prompt (<= 256) + completions up to 2,048 tokens and more
+        max_position_embeddings=16384,  # prompt (<= 256) + completions of 8,192 tokens and more
         rope_theta=1e5,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

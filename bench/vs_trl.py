@@ -2,13 +2,16 @@
 table as one command. Each round runs grpo_colocate.py with the options given, then bench/trl_peer.py with the same
 model, steps, batch, group size, completion length, learning rate and gradient checkpointing (the rest: the script's
 defaults). Ours: the median over steps 1..N-1 (bench/step_split.py); TRL: over its 3rd to last step. Each side's
-peak GPU memory is torch.cuda.max_memory_reserved() of its rank 0 over the run (max_memory_reserved): ours' from its
-metrics (memory/max_reserved_gib), TRL's from its TRLPEER line.
+peak GPU memory twice: torch.cuda.max_memory_reserved() of its rank 0 over the run (max_memory_reserved: ours' from its
+metrics, memory/max_reserved_gib, TRL's from its TRLPEER line), and the physical peak, the largest memory.used of any
+GPU that nvidia-smi reports every 100 ms while the side runs (every process and allocator: vLLM's sleep-mode pool,
+the CUDA context, NCCL).
 
     python bench/vs_trl.py --rounds 2 -- --model /tmp/random-1.5b --max_steps 8 --per_device_train_batch_size 32 \\
         --gradient_accumulation_steps 2 --max_completion_length 256 --eval_steps 0
     python bench/vs_trl.py --rounds 2 --trl_steps 15            # the defaults (SmolLM2; ours 200 steps, TRL 15)
     python bench/vs_trl.py --dry_run -- --max_steps 8           # print the two commands, run nothing
+    python bench/vs_trl.py --rounds 1 --only ours -- ...        # one side (then --only trl): each under a time limit
 
 An option of ours that the peer does not mirror is refused (status 2). Without --model both sides run the offline
 default model. TRL needs `pip install trl==1.16.0 datasets`. Prints a line per run and `VSTRL {json}`. A run that
@@ -24,6 +27,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,6 +97,8 @@ def summary(ours: list[dict], trl: list[dict]) -> dict:
         r.update(
             ours_max_memory_reserved_gib=o.get("max_memory_reserved_gib"),
             trl_max_memory_reserved_gib=t.get("max_memory_reserved_gib"),
+            ours_physical_peak_gib=o.get("physical_peak_gib"),
+            trl_physical_peak_gib=t.get("physical_peak_gib"),
         )
         rounds.append(r)
     done = [r for r in rounds if "ours_over_trl" in r]
@@ -145,16 +151,43 @@ def gib(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f} GiB"
 
 
-def run_logged(cmd: list[str], env: dict, log: str) -> tuple[int, str]:
-    """Run to the end with its output in `log`: its status and the log; on failure the end of the log goes to stderr
-    (the caller goes on: the other side's figures are still wanted)."""
-    with open(log, "w") as f:
+class PhysicalPeak:
+    """While in use: the largest memory.used of any GPU, polled by nvidia-smi every 100 ms (without it: None)."""
+
+    def __enter__(self):
+        self.peak_mib = None
+        self.poller = None
+        if shutil.which("nvidia-smi"):
+            query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-lms", "100"]
+            self.poller = subprocess.Popen(query, stdout=subprocess.PIPE, text=True)
+            self.reader = threading.Thread(target=self.read, daemon=True)
+            self.reader.start()
+        return self
+
+    def read(self):
+        for line in self.poller.stdout:  # one line per GPU per poll, in MiB
+            if line.strip().isdigit():
+                self.peak_mib = max(self.peak_mib or 0, int(line))
+
+    def __exit__(self, *exc):
+        if self.poller:
+            self.poller.terminate()
+            self.reader.join(5)
+
+    def gib(self) -> float | None:
+        return None if self.peak_mib is None else round(self.peak_mib / 1024, 2)
+
+
+def run_logged(cmd: list[str], env: dict, log: str) -> tuple[int, str, float | None]:
+    """Run to the end with its output in `log`: its status, the log and the physical peak (GiB); on failure the end
+    of the log goes to stderr (the caller goes on: the other side's figures are still wanted)."""
+    with open(log, "w") as f, PhysicalPeak() as peak:
         rc = subprocess.run(cmd, env={**os.environ, **env}, stdout=f, stderr=subprocess.STDOUT).returncode
     text = Path(log).read_text()
     if rc != 0:
         print(text[-3000:], file=sys.stderr)
         print(f"error: {shlex.join(cmd)} exited with status {rc} (log: {log})", file=sys.stderr, flush=True)
-    return rc, text
+    return rc, text, peak.gib()
 
 
 def main() -> None:
@@ -166,6 +199,7 @@ def main() -> None:
     p.add_argument("--trl_steps", type=int, default=0, help="TRL's steps (0: ours' --max_steps)")
     p.add_argument("--out", default="/tmp/vs_trl", help="logs and ours' output_dir per round (replaced)")
     p.add_argument("--dry_run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--only", choices=["ours", "trl"], help="run this side alone (no ratio)")
     argv = sys.argv[1:]
     own, ours_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = p.parse_args(own)
@@ -183,28 +217,14 @@ def main() -> None:
             return
         if "model" not in given_options(ours_args):
             offline_model.build()  # once, before either side's ranks look for it
-        shutil.rmtree(os.path.join(args.out, f"ours-{r}"), ignore_errors=True)  # (an earlier call's, of any config)
-        rc, text = run_logged(ours, {}, os.path.join(args.out, f"ours-{r}.log"))
-        s = ours_result(rc, text, os.path.join(args.out, f"ours-{r}", "metrics.jsonl"))
-        ours_runs.append(s)
-        peak = f"max_memory_reserved {gib(s['max_memory_reserved_gib'])}"
-        if "error" in s:
-            print(f"round {r + 1} ours: failed after {s['steps']} steps, {peak}: {s['error']}", flush=True)
-        else:
-            split_s = f"{s['gen_s']:.3f} / {s['coloc_s']:.3f} / {s['train_s']:.3f}"
-            rate = f"{s['samples_per_sec']:.1f} samples/s"
-            print(f"round {r + 1} ours: {s['step_s']:.3f} s/step ({split_s}), {rate}, {peak}", flush=True)
-        log = os.path.join(args.out, f"trl-{r}.log")
-        t = trl_result(*run_logged(trl, env, log), log)
-        trl_runs.append(t)
-        peak = f"max_memory_reserved {gib(t.get('max_memory_reserved_gib'))}"
-        if "error" in t:
-            print(
-                f"round {r + 1} TRL:  failed after {t.get('steps_done', '?')} steps, {peak}: {t['error']}", flush=True
-            )
-        else:
-            rate = f"{t['samples_per_s']:.1f} samples/s"
-            print(f"round {r + 1} TRL:  {t['median_step_s']:.3f} s/step, {rate}, {peak}", flush=True)
+        if args.only != "trl":
+            ours_runs.append(run_ours(ours, args.out, r))
+        if args.only != "ours":
+            trl_runs.append(run_trl(trl, env, args.out, r))
+    if args.only:
+        runs = ours_runs or trl_runs
+        print("VSTRL", json.dumps({args.only: runs}), flush=True)
+        sys.exit(1 if any("error" in run for run in runs) else 0)
     s = summary(ours_runs, trl_runs)
     print("VSTRL", json.dumps(s), flush=True)
     done = sum("ours_over_trl" in r for r in s["rounds"])
@@ -215,6 +235,41 @@ def main() -> None:
         print("ours / TRL: no round where both sides finished")
     if done < args.rounds:
         sys.exit(1)
+
+
+def peaks(run: dict) -> str:
+    return f"max_memory_reserved {gib(run.get('max_memory_reserved_gib'))}, physical {gib(run['physical_peak_gib'])}"
+
+
+def run_ours(cmd: list[str], out: str, r: int) -> dict:
+    """Round r of ours: its figures (ours_result) and physical peak, and a line."""
+    shutil.rmtree(os.path.join(out, f"ours-{r}"), ignore_errors=True)  # (an earlier call's, of any config)
+    rc, text, physical = run_logged(cmd, {}, os.path.join(out, f"ours-{r}.log"))
+    s = ours_result(rc, text, os.path.join(out, f"ours-{r}", "metrics.jsonl"))
+    s["physical_peak_gib"] = physical
+    if "error" in s:
+        print(f"round {r + 1} ours: failed after {s['steps']} steps, {peaks(s)}: {s['error']}", flush=True)
+    else:
+        split_s = f"{s['gen_s']:.3f} / {s['coloc_s']:.3f} / {s['train_s']:.3f}"
+        rate = f"{s['samples_per_sec']:.1f} samples/s"
+        print(f"round {r + 1} ours: {s['step_s']:.3f} s/step ({split_s}), {rate}, {peaks(s)}", flush=True)
+    return s
+
+
+def run_trl(cmd: list[str], env: dict, out: str, r: int) -> dict:
+    """Round r of TRL: its TRLPEER figures (trl_result) and physical peak, and a line."""
+    log = os.path.join(out, f"trl-{r}.log")
+    rc, text, physical = run_logged(cmd, env, log)
+    t = trl_result(rc, text, log)
+    t["physical_peak_gib"] = physical
+    if "error" in t:
+        print(
+            f"round {r + 1} TRL:  failed after {t.get('steps_done', '?')} steps, {peaks(t)}: {t['error']}", flush=True
+        )
+    else:
+        rate = f"{t['samples_per_s']:.1f} samples/s"
+        print(f"round {r + 1} TRL:  {t['median_step_s']:.3f} s/step, {rate}, {peaks(t)}", flush=True)
+    return t
 
 
 if __name__ == "__main__":
