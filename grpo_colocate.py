@@ -596,10 +596,11 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
     # [b, T] per micro-batch: vLLM's log-probs of the sampled tokens, 0 past each completion's end
     vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
     settings = loss_settings(cfg, lengths, device)
-    max_tokens = batch * cfg.max_completion_length  # (what sets the LM head's chunks: the same on every rank)
+    micro_batch_tokens = batch * cfg.max_completion_length  # (sets the LM head's chunks: the same on every rank)
 
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
-        return sequence_logprobs(model, r.prompts[s], r.completions[s], cfg.temperature, device, pad_id, max_tokens)
+        prompts = r.prompts[s]
+        return sequence_logprobs(model, prompts, r.completions[s], cfg.temperature, device, pad_id, micro_batch_tokens)
 
     with torch.no_grad():  # [b, T] each: the policy that sampled, frozen before the first update; the reference
         old_logps = [logprobs(trainer, s)[0] if cfg.num_iterations > 1 else None for s in micro_batches]
@@ -650,10 +651,9 @@ def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
     return {"denominator": denominator, "loss_type": cfg.loss_type, "beta": cfg.beta, **clip}
 
 
-def sequence_logprobs(model, prompts, completions, temperature: float, device, pad_id: int, max_tokens: int):
+def sequence_logprobs(model, prompts, completions, temperature: float, device, pad_id: int, micro_batch_tokens: int):
     """Each completion's log-probs and entropies: two [B, T] tensors (T: the longest), 0 past its end. model: a
-    LogprobModel, or DeepSpeed's engine around one. max_tokens: the most a micro-batch can hold, which sets the number
-    of LM head chunks (ZeRO-3's rule, in LogprobModel)."""
+    LogprobModel, or DeepSpeed's engine around one. micro_batch_tokens: the most a micro-batch can hold."""
 
     def to_device(host: torch.Tensor) -> torch.Tensor:  # from pinned memory: the CPU does not wait for the GPU
         return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
@@ -667,9 +667,7 @@ def sequence_logprobs(model, prompts, completions, temperature: float, device, p
     rows, columns = mask.nonzero(as_tuple=True)  # [N] each, row by row: token `columns` of completion `rows`
     positions = torch.tensor([len(p) - 1 for p in prompts])[rows] + columns  # [N]
     predicting = to_device(torch.stack([rows, positions]))  # [2, N]: (row, position) of each token's prediction
-    vocab_size = getattr(model, "module", model).causal_lm.get_output_embeddings().out_features
-    num_chunks = math.ceil(max_tokens * vocab_size / LOGPROB_CHUNK)
-    logp, entropy = model(ids, predicting, temperature, num_chunks)  # [N] each
+    logp, entropy = model(ids, predicting, temperature, micro_batch_tokens)  # [N] each
     mask = to_device(mask)
     zeros = torch.zeros(mask.shape, device=device)
     return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each, row by row as N
@@ -678,29 +676,23 @@ def sequence_logprobs(model, prompts, completions, temperature: float, device, p
 class LogprobModel(torch.nn.Module):
     """A causal LM whose forward returns the log-probs and entropies of chosen tokens, never [B, L, V] logits.
 
-    DeepSpeed's engine attaches its backward work (ZeRO-3's gradient reduction, offload, the end of accumulation) to
-    the output of the module it wraps, so the log-probs must be that output, as here: a loss computed beside the output
-    gets wrong gradients. It assumes what TRL 1.16 assumes: the logits are the LM head applied to the base model's last
-    hidden state (check_model refuses a model that changes them after the head: LOGIT_TRANSFORMS).
-
-    ZeRO-3's rule: every rank calls a partitioned module the same number of times, in the same order. Each call gathers
-    the module's weights from every rank in a collective, so a rank that makes one call more waits forever for the
-    others. This is why the LM head runs in a number of chunks that every rank computes alike (chunked_logprobs).
-
-    The HF model's children are registered under their own names, so the parameter names, the weight push and the
-    checkpoints are the HF model's."""
+    DeepSpeed's engine hooks its backward work (gradient reduction, offload, the end of accumulation) onto the output
+    of the module it wraps, so the log-probs must be that output: a loss computed beside it gets wrong gradients. The
+    logits must be what TRL 1.16 assumes: the LM head of the base model's last hidden state (check_model).
+    ZeRO-3's rule: every rank calls a partitioned module the same number of times, in the same order. Each call
+    gathers the module's weights from every rank in a collective, and a rank that makes one call more waits forever.
+    So the LM head runs in as many chunks on every rank (chunked_logprobs). The HF model's children keep their names:
+    the parameter names, the weight push and the checkpoints are the HF model's."""
 
     def __init__(self, causal_lm):
         super().__init__()
         for name, child in causal_lm.named_children():  # e.g. `model` and `lm_head`
             self.add_module(name, child)
-        # kept for its config, base model, head and save_pretrained; not a submodule, or its parameters would be
-        # registered twice (under `causal_lm.` names)
-        object.__setattr__(self, "causal_lm", causal_lm)
+        object.__setattr__(self, "causal_lm", causal_lm)  # (not a submodule: its parameters would appear twice)
 
-    def forward(self, ids, predicting, temperature: float, num_chunks: int):
+    def forward(self, ids, predicting, temperature: float, micro_batch_tokens: int):
         """ids [B, L], right-padded; predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob
-        of ids[row, position + 1] there and the entropy there, [N] each."""
+        of ids[row, position + 1] there and the entropy there, [N] each. micro_batch_tokens sets the head's chunks."""
         # No attention mask: every pad comes after every real token of its row, causal attention never looks ahead,
         # and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). Without a mask SDPA can
         # take its Flash kernel: the train phase at 8k-token rows took half the time.
@@ -708,12 +700,14 @@ class LogprobModel(torch.nn.Module):
         rows, positions = predicting
         hidden = hidden_states[rows, positions]  # [N, H]
         tokens = ids[rows, positions + 1]  # [N]
-        return chunked_logprobs(self.causal_lm.get_output_embeddings(), hidden, tokens, temperature, num_chunks)
+        head = self.causal_lm.get_output_embeddings()
+        num_chunks = math.ceil(micro_batch_tokens * head.out_features / LOGPROB_CHUNK)  # (alike on every rank)
+        return chunked_logprobs(head, hidden, tokens, temperature, num_chunks)
 
 
 def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
     """hidden [N, H], tokens [N] -> log p(token), entropy [N], the LM head's [n, V] logits recomputed in backward, in
-    num_chunks slices whatever N is (empty ones too): ZeRO-3 gathers the head at each call, the same on all ranks."""
+    num_chunks slices whatever N is (empty ones too: ZeRO-3's rule, in LogprobModel)."""
     size = math.ceil(len(tokens) / num_chunks)
     slices = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
     chunks = [checkpoint(head_logprobs, head, hidden[s], tokens[s], temperature, use_reentrant=False) for s in slices]
@@ -1186,10 +1180,9 @@ def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
         batches = (batch["prompt"] for batch in source.dataset.select_columns("prompt").iter(batch_size=1024))
     else:  # (and its first training row: a model without a chat template fails here with --num_eval_prompts 0 too)
         batches = [[row["prompt"] for row in [*source.eval_rows, source[0]]]]
-    lengths = []
-    for prompts in batches:
-        lengths += [len(ids) for ids in encode_prompts(tokenizer, prompts, cfg.template_kwargs)]
-    lengths.sort()
+    lengths = sorted(
+        len(ids) for prompts in batches for ids in encode_prompts(tokenizer, prompts, cfg.template_kwargs)
+    )
     over = sum(n > cfg.max_prompt_length for n in lengths)
     if over:
         p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]

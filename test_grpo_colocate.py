@@ -32,14 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-)
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import grpo_colocate as g
 import offline_model
@@ -208,20 +201,21 @@ def full_logits_logprobs(model, prompts, comps, temperature):
 def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, calls, widest, tied, window):
     """Padding and the prompt/completion boundary: each row's log-probs, entropies and their gradients equal a forward
     pass over that row alone with the whole vocabulary's logits (float32), also under a sliding window shorter than
-    the longest row (Mistral's). The LM head runs in a fixed number of chunks set by max_tokens and the vocabulary
-    (64): one position per call, 4 and 3, or all 7 in one; calls with no positions fill the count."""
+    the longest row (Mistral's). The LM head runs in a fixed number of chunks set by micro_batch_tokens and the
+    vocabulary (64): one position per call, 4 and 3, or all 7 in one; calls with no positions fill the count."""
     monkeypatch.setattr(g, "LOGPROB_CHUNK", chunk)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path, tie_word_embeddings=tied))
     if window:  # rows of 5, 6 and 5 tokens
+        from transformers import MistralConfig, MistralForCausalLM
+
         shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
         model = MistralForCausalLM(MistralConfig(vocab_size=64, num_hidden_layers=2, sliding_window=window, **shape))
     prompts, comps = [[1, 2, 3], [4, 5], [9, 8, 7, 6]], [[6, 7], [8, 9, 10, 11], [12]]
     head_rows = []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_rows.append(out.shape[:-1].numel()))
-    logprob_model = g.LogprobModel(model)
-    logp, ent = g.sequence_logprobs(logprob_model, prompts, comps, 0.7, device="cpu", pad_id=0, max_tokens=8)
+    logp, ent = g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 0.7, "cpu", 0, micro_batch_tokens=8)
     hook.remove()
-    # calls: ceil(max_tokens x V / LOGPROB_CHUNK); widest: ceil(7 / calls) positions
+    # calls: ceil(micro_batch_tokens x V / LOGPROB_CHUNK); widest: ceil(7 / calls) positions
     assert sum(head_rows) == 7 and len(head_rows) == calls and max(head_rows) == widest
     assert logp.shape == ent.shape == (3, 4)
     weights = torch.randn(logp.shape)
@@ -254,7 +248,7 @@ def test_the_log_prob_pass_keeps_no_vocabulary_sized_tensor_for_backward(tmp_pat
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 1.0, "cpu", 0, max_tokens=4 * 512)
+        g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 1.0, "cpu", 0, micro_batch_tokens=4 * 512)
     assert sum(sizes) / 2**30 <= 0.25, sum(sizes) / 2**30
 
 
@@ -1023,12 +1017,18 @@ def test_weight_push_order(monkeypatch):
     assert calls == ["reload_weights", "load_weights 4 tensors", repacked, "reset_prefix_cache"]
 
 
-def test_sleep_keeps_torch_cache_for_the_trainer(monkeypatch):
-    """vLLM's allocator ends sleep(level=2) with torch.cuda.empty_cache(): every block the trainer cached would go back
-    to the driver and be cudaMalloc'ed again in its next step. sleep_vllm sleeps at level 2 without it and puts
-    empty_cache back afterwards, also when sleep raises."""
+def test_the_two_sleeps_level_2_the_first_measures_the_rest_keep_torch_cache(monkeypatch):
+    """The first sleep, after the build, is vLLM's own sleep(level=2) with its closing torch.cuda.empty_cache(): the
+    free memory before the build, after it and after the sleep give what vLLM holds awake and asleep. Every later
+    sleep is sleep_vllm: level 2 without empty_cache, whose every block the trainer cached would go back to the driver
+    and be cudaMalloc'ed again in its next step; empty_cache is put back afterwards, also when sleep raises."""
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    free = iter([70 * 2**30, 78 * 2**30])  # after the build, after the sleep (80 GiB before the build)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (next(free), 80 * 2**30))
+    assert g.sleep_after_build(FakeLLM(calls), free_before=80 * 2**30) == (10 * 2**30, 2 * 2**30)
+    assert calls == ["sleep 2", "empty_cache"]
+    calls.clear()
     g.sleep_vllm(FakeLLM(calls))
     torch.cuda.empty_cache()  # restored
     with pytest.raises(RuntimeError, match="sleep failed"):
@@ -1082,7 +1082,14 @@ def zero3_worker(rank, world, model, out_dir):
     import deepspeed
     import deepspeed.ops
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    from deepspeed.utils import safe_get_full_grad
+    from deepspeed.utils import safe_get_full_grad, safe_get_full_optimizer_state
+
+    def adam_moments(engine):  # AdamW's moments of every parameter, gathered from ZeRO-3's shards (None: no state)
+        try:
+            moments = [(p, key) for p in engine.module.parameters() for key in ("exp_avg", "exp_avg_sq")]
+            return [safe_get_full_optimizer_state(p, key).tolist() for p, key in moments]
+        except KeyError:  # (no optimizer step taken, no state loaded)
+            return None
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
@@ -1199,6 +1206,8 @@ def zero3_worker(rank, world, model, out_dir):
     engine = g.build_trainer(resumed, model, ds_config, torch.float32)
     g.load_training_state(engine, out_dir, ds_config)
     out["resumed_settings"] = {(group["lr"], group["weight_decay"]) for group in engine.optimizer.param_groups}
+    saved_moments, loaded_moments = adam_moments(first_engine), adam_moments(engine)
+    out["resumed_moments"] = "missing" if loaded_moments is None else saved_moments == loaded_moments
 
     def nan_norm():  # what a bf16 overflow leaves (ZeRO-3 applies it anyway: its overflow check is fp16's)
         return float("nan")
@@ -1218,7 +1227,7 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
     type and the cases zero3_worker lists, against a plain forward. The config's attention dropout 0.5 must be switched
     off by build_trainer (vLLM samples without it). The push's bucketed gather: the same tensors as one parameter at a
     time, in a few all-gathers none much over its bucket, the whole parameters left whole. A resumed run trains at its
-    own learning rate and weight decay; a non-finite gradient norm stops it."""
+    own learning rate and weight decay, with the saved AdamW moments; a non-finite gradient norm stops it."""
     model = tiny_llama_folder(tmp_path / "model", dropout=0.5, tie_word_embeddings=True)
     for out in run_workers(zero3_worker, 2, model, str(tmp_path / "ckpt"), timeout=600).values():
         n_whole, still_whole, same_values = out["persistent_push"]
@@ -1232,7 +1241,7 @@ def test_zero3_gradients_equal_one_backward_of_the_global_batch(tmp_path):
             assert worst < 1e-4, (loss_type, worst)  # float32 rounding only
             assert steps == iters and grad_norm == pytest.approx(mean_norm, rel=1e-6)  # the mean over optimizer steps
         assert out["ref_forwards"] == 2  # 2 micro-batches, 2 passes: the reference once per micro-batch
-        assert out["resumed_settings"] == {(1e-6, 0.05)}
+        assert out["resumed_settings"] == {(1e-6, 0.05)} and out["resumed_moments"] is True
         assert out["nan_grad_norm"] == "non-finite gradient norm; stopped"
 
 
@@ -1447,10 +1456,11 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
 
 
 # TP=2 and the loop's other paths: a frozen ZeRO-3 reference (beta > 0), two optimizer passes per batch (old log-probs
-# frozen before the first), per-sequence normalisation, an asymmetric clip range, unscaled advantages, and fewer eval
-# prompts than ranks (rank 1 has none, and still takes part in the exchange)
+# frozen before the first), per-sequence normalisation, a clip range narrow enough to act on both sides at every step,
+# a temperature that the trainer must apply too, unscaled advantages, and fewer eval prompts than ranks (rank 1 has
+# none, and still takes part in the exchange)
 TP2 = E2E + TINY + "--max_steps 5 --vllm_tensor_parallel_size 2 --beta 0.1 --num_iterations 2 --loss_type grpo".split()
-TP2 += "--epsilon_high 0.28 --scale_rewards none --num_eval_prompts 1".split()
+TP2 += "--temperature 0.7 --epsilon 0.02 --epsilon_high 0.05 --scale_rewards none --num_eval_prompts 1".split()
 
 
 @pytest.fixture(scope="module")
@@ -1461,12 +1471,15 @@ def tp2_run(tiny_model, tmp_path_factory):
 
 def test_e2e_tensor_parallel_2_with_reference_and_two_iterations(tp2_run, tiny_model):
     """TP=2 (one engine, both ranks feed it the same prompts and keep their own slice) with the paths of TP2 above. A
-    misaligned TP slice would pair completions with the wrong prompts, and dropout left on would perturb the trainer's
-    log-probs: either breaks the exact sync check."""
+    misaligned TP slice would pair completions with the wrong prompts, dropout left on or the trainer at another
+    temperature would perturb its log-probs: each breaks the exact sync check. The second pass's ratios move off 1 and
+    the clip bounds them on both sides at every step (old log-probs taken from the pass itself would never clip)."""
     rc, log, metrics, out = tp2_run
     assert rc == 0, log[-4000:]
     assert_trained_and_in_sync(metrics, tiny_model, out / "final", steps=5)
-    assert all(m["kl"] > 0 and math.isfinite(m["loss"]) for m in metrics if "loss" in m)  # the 2nd pass moves off
+    for m in [m for m in metrics if "loss" in m]:
+        assert m["kl"] > 0 and math.isfinite(m["loss"]), m
+        assert m["clip_ratio/low"] > 0 and m["clip_ratio/high"] > 0, m
 
 
 # ------------------------------------------------------------------------------------------ bad input, faults, stops
