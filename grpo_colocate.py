@@ -7,7 +7,7 @@ cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-pr
 
 Reading index. `setup` makes the tensor-parallel (TP) groups (`tp_group_layout`), this rank's engine (`build_vllm`),
 puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). One step of `train`:
-  1. wake vLLM and push the trained weights into it (`push_weights_to_vllm`, through `gathered_params`);
+  1. wake vLLM and push the trained weights into it (`wake_and_push_weights`, through `gathered_params`);
   2. exchange prompts in the TP group, generate G completions each (`generate`), sleep(level=2) (`sleep_vllm`);
   3. rewards (`score`) -> group-relative advantages (`group_advantages`);
   4. the trainer's log-probs (`sequence_logprobs`, `LogprobModel`), the clipped loss (`grpo_loss`; denominators:
@@ -50,7 +50,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 # vLLM, DeepSpeed and transformers read these (external_launcher runs the engine in this process); the shell's values
 # win. On CPU, vLLM's warnings are about its CPU backend (no tcmalloc, no Triton, eager mode, thread binding).
@@ -68,7 +68,7 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
 from transformers.hf_argparser import HfArg, HfArgumentParser  # noqa: E402 (it reads the environment set above)
 
 # DeepSpeed and vLLM call torch.distributed functions that torch has deprecated (a warning per call), and barrier()
-# warns that the process group is not bound to a device (deliberately: see main).
+# warns that the process group is not bound to a device (deliberately: the co-location section says why).
 warnings.filterwarnings("ignore", message=r".*(torch\.distributed.*deprecated|deprecated.*torch\.distributed)")
 warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
 
@@ -180,7 +180,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
         try:
             with timer("push"):  # waking vLLM included
-                loaded = push_weights_to_vllm(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
+                loaded = wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
         except (KeyError, ValueError) as e:  # vLLM's loader refusing a name of the trainer's model
             raise ConfigError(f"--model {cfg.model}: vLLM's loader: {type(e).__name__}: {str(e)[:200]}") from None
         if step == inputs.first_step:  # the names never change: the first push shows that every weight arrives
@@ -190,7 +190,8 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
             if eval_step:
                 metrics.update(evaluate(colo.llm, inputs, cfg, colo.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
-        examples = prompts_for_step(inputs.source, step, cfg.completions_per_rank // G, world)
+        prompts_per_rank = cfg.completions_per_rank // G  # (check_options makes it exact)
+        examples = prompts_for_step(inputs.source, step, prompts_per_rank, world)
         prompts = [example["prompt"] for example in examples]
         prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
         with timer("generate"):  # the TP group's prompt exchange, generation, the texts decoded
@@ -215,7 +216,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
             with timer("train"):  # the trainer's forward, backward and optimizer step
                 train_on_rollouts(colo.trainer, colo.ref, rollouts, advantages, cfg, device, pad_id, stats)
         except NonFiniteError as e:
-            last = (checkpoints(cfg.output_dir) or ["none"])[-1]
+            last = (saved_checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
         # ---- 5. the metrics of all ranks
         add_rollout_stats(stats, rollouts, group_std, prompts)
@@ -232,7 +233,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
             save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step + 1)
     # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
     if evals_enabled(cfg) and not stop_requested(device):
-        push_weights_to_vllm(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
+        wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
         run_log.log({"step": cfg.max_steps, **evaluate(colo.llm, inputs, cfg, colo.tp_group, device)})
         if colo.sleep_mode:
             sleep_vllm(colo.llm)
@@ -276,8 +277,9 @@ def setup(cfg: Config, inputs: Inputs) -> Colocation:
     options = {"enable_sleep_mode": sleep_mode, "enforce_eager": cfg.vllm_enforce_eager or not ON_GPU}
     if ON_GPU:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
+    max_num_seqs = cfg.completions_per_rank * tp  # the TP group's samples of one step, decoded together
     max_model_len = cfg.max_prompt_length + cfg.max_completion_length
-    llm = build_vllm(cfg.model, tp, cfg.seed, cfg.completions_per_rank * tp, max_model_len, dtype, **options)
+    llm = build_vllm(cfg.model, tp, cfg.seed, max_num_seqs, max_model_len, dtype, **options)
     colo = Colocation(llm, None, None, tp_group, sleep_mode)
     if sleep_mode:
         awake, asleep = sleep_after_build(llm, free_before)
@@ -288,7 +290,7 @@ def setup(cfg: Config, inputs: Inputs) -> Colocation:
     ds_config = fill_ds_config(inputs.ds_config, cfg, world, bf16=ON_GPU)
     colo.trainer = build_trainer(cfg, cfg.model, ds_config, dtype)
     if cfg.beta != 0.0:
-        colo.ref = build_trainer(cfg, cfg.model, ds_config, dtype, train=False)
+        colo.ref = build_trainer(cfg, cfg.model, ds_config, dtype, trainable=False)
     if inputs.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
         load_training_state(colo.trainer, inputs.resume_dir, ds_config)
         say(f"resumed from {inputs.resume_dir}: continuing at step {inputs.first_step}", rank0=True)
@@ -308,12 +310,13 @@ def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
     eval_rows = inputs.source.eval_rows
     world = dist.get_world_size()
     rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
-    batch = cfg.completions_per_rank
-    rounds = math.ceil(math.ceil(len(eval_rows) / world) / batch)  # the same on every rank of a TP group
+    per_round = cfg.completions_per_rank  # a rank's prompts per round: the KV cache holds one step's samples
+    # The same number of rounds on every rank: each round's exchange is a collective (ZeRO-3's rule, in LogprobModel)
+    rounds = math.ceil(math.ceil(len(eval_rows) / world) / per_round)
     greedy = sampling_params(1, 0.0, cfg.max_completion_length)
     stats = Stats()
     for i in range(rounds):
-        chunk = rows[i * batch : (i + 1) * batch]
+        chunk = rows[i * per_round : (i + 1) * per_round]
         ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.template_kwargs)
         outputs = generate(llm, ids, greedy, tp_group)
         r = collect_rollouts(chunk, ids, outputs, inputs.tokenizer)
@@ -334,8 +337,11 @@ def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> N
 
 
 # ======================================================================================================= co-location
-# With external_launcher, vLLM starts no processes: each torchrun rank runs the engine's worker in its own process and
-# process group (no device_id: see main); a TP group's ranks hold one engine. No Config: these copy as they are.
+# With external_launcher, vLLM starts no processes. Each torchrun rank runs the engine's worker in its own process and
+# joins the ranks' process group, and a TP group's ranks hold one engine together. main starts that group without a
+# device_id: with one, torch creates the NCCL communicator of every new group at once, and vLLM creates several groups
+# that mostly never communicate. Those would take 2.3 GiB per GPU that sleep cannot give back.
+# No Config in this section: these functions copy into another project as they are.
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
     """Contiguous ranks share an engine, as vLLM lays them out: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
@@ -350,7 +356,9 @@ def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model
         model=model_path,
         tensor_parallel_size=tp,
         distributed_executor_backend="external_launcher",
-        seed=seed + dist.get_rank() // tp,  # one per engine: the group's ranks must sample alike
+        # One seed per engine, so that a TP group's ranks sample alike. It seeds the requests that carry no seed of
+        # their own, such as the eval's greedy ones; the training samples carry theirs (generate).
+        seed=seed + dist.get_rank() // tp,
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -376,10 +384,11 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
     return bytes_per_token * num_seqs * (seq_len + 16)
 
 
-# The two sleeps, both level 2: vLLM discards its weights and frees its KV cache (the next push wakes it and loads the
-# weights). The first, after the build, is vLLM's own llm.sleep, which ends with torch.cuda.empty_cache(): the free
-# memory then shows what the engine keeps asleep. Each sleep after generating is sleep_vllm: no empty_cache. That call
-# gives torch's cached blocks back to the driver, for a trainer in another process; ours would cudaMalloc them again.
+# The two sleeps. Both are level 2: vLLM discards its weights and frees its KV cache, and the next push wakes it and
+# loads the weights. The first sleep, after the build, is vLLM's own llm.sleep. It ends with torch.cuda.empty_cache(),
+# so the free memory afterwards shows what the engine keeps while asleep. Every later sleep is sleep_vllm, which skips
+# that empty_cache. empty_cache gives torch's cached blocks back to the driver, which helps a trainer in another
+# process; our trainer, in this process, would only have to cudaMalloc them again.
 def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
@@ -394,11 +403,11 @@ def sleep_vllm(llm) -> None:
         llm.sleep(level=2)
 
 
-def push_weights_to_vllm(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
+def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
     """Make vLLM sample from the weights just trained; returns the names of the engine's parameters it loaded.
-    Level-2 sleep discarded vLLM's weights, so: wake the weight memory, stream the trained parameters in (vLLM's model
-    is in this process), wake the KV cache, drop the cached prefixes (wake_bytes: what vLLM maps again, 0: unknown).
-    Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
+    Level-2 sleep discarded vLLM's weights. So this wakes the weight memory, streams the trained parameters in (vLLM's
+    model is in this process), wakes the KV cache and drops the cached prefixes. wake_bytes is what vLLM maps again
+    at wake-up (0 if unknown). Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
     if sleep_mode:
         make_room_for_wake(wake_bytes)
         llm.wake_up(tags=["weights"])
@@ -424,8 +433,9 @@ def make_room_for_wake(wake_bytes: int) -> None:
 
 
 def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
-    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time: every rank must
-    exhaust it, in step. A tensor is valid until the next bucket: the consumer copies it (load_weights, save_model)."""
+    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time. Every rank must
+    exhaust it, in step (ZeRO-3's rule, in LogprobModel). A tensor is valid until the next bucket, so the consumer
+    copies it (load_weights, save_model)."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -436,7 +446,8 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
         bucket.append((name, param))
         bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
         if bucket_size >= bucket_bytes or i == len(params) - 1:
-            # (parameters under ZeRO-3's persistence threshold are whole: gathered again, they'd be freed on exit)
+            # ZeRO-3 keeps parameters under its persistence threshold whole. Gathered again, they would be
+            # partitioned (freed) on exit, so only the partitioned ones are gathered.
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
                 for bucket_name, bucket_param in bucket:
@@ -499,7 +510,9 @@ def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | Non
     if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
         return []
     per_prompt = params
-    if seed is not None:  # else vLLM's GPU runner seeds each request from numpy's RNG: a resumed run would differ
+    # Each training request carries its own seed, so that a resumed run samples the same. Without one, vLLM's GPU
+    # runner seeds the request from numpy's RNG, whose state a resumed run does not have.
+    if seed is not None:
         per_prompt = [params.clone() for _ in group_prompts]
         for i, prompt_params in enumerate(per_prompt):
             prompt_params.seed = seed + i * params.n
@@ -588,15 +601,17 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
 def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:
     """num_iterations optimizer steps on a step's rollouts, metrics into stats (no .item() per micro-batch)."""
     trainer.train()
-    batch = cfg.per_device_train_batch_size
-    micro_batches = [slice(i, i + batch) for i in range(0, len(r.completions), batch)]
+    micro_batch_size = cfg.per_device_train_batch_size
+    micro_batches = [slice(i, i + micro_batch_size) for i in range(0, len(r.completions), micro_batch_size)]
     lengths = torch.tensor([len(c) for c in r.completions], device=device)  # [B]
     advantages = advantages.to(device)
     pad = torch.nn.utils.rnn.pad_sequence
     # [b, T] per micro-batch: vLLM's log-probs of the sampled tokens, 0 past each completion's end
     vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
-    settings = loss_settings(cfg, lengths, device)
-    micro_batch_tokens = batch * cfg.max_completion_length  # (sets the LM head's chunks: the same on every rank)
+    loss_kwargs = loss_settings(cfg, lengths, device)
+    micro_batch_tokens = (
+        micro_batch_size * cfg.max_completion_length
+    )  # (sets the LM head's chunks: the same on every rank)
 
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
         prompts = r.prompts[s]
@@ -615,13 +630,21 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
             old_logp = logp.detach() if old_logps[k] is None else old_logps[k]
             positions = torch.arange(logp.shape[1], device=device)  # [T]
             mask = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
-            is_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max)  # [b, T]
+            importance_weight = importance_weights(
+                old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max
+            )  # [b, T]
             if iteration == 0:  # the first pass is before any update: the weights vLLM sampled with
-                add_sync_check(stats, old_logp, vllm_logps[k], is_weight, mask, entropy)
+                add_sync_check(stats, old_logp, vllm_logps[k], importance_weight, mask, entropy)
             if not cfg.vllm_importance_sampling_correction:
-                is_weight = None
+                importance_weight = None
             loss, loss_sums = grpo_loss(
-                logp, old_logp, advantages[s], mask, ref_logp=ref_logps[k], is_weight=is_weight, **settings
+                logp,
+                old_logp,
+                advantages[s],
+                mask,
+                ref_logp=ref_logps[k],
+                importance_weight=importance_weight,
+                **loss_kwargs,
             )
             trainer.backward(loss, scale_wrt_gas=False)  # the denominators already account for accumulation
             rank_loss = rank_loss + loss.detach() / cfg.num_iterations
@@ -639,14 +662,22 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
 
 
 def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
-    """grpo_loss's keywords for one step (lengths [B]: this rank's completions'). The denominator is the whole step's:
-        DeepSpeed's gradient = (1 / world) * sum over ranks and micro-batches of grad(micro-batch's sum / denominator)
-        denominator = all ranks' tokens / world (dapo), this rank's sequences (grpo), x max_completion_length (dr_grpo)
-    so that the gradient is the global batch's loss's: its mean per token (dapo) or per sequence (grpo, dr_grpo)."""
-    tokens_per_rank = max(global_sum(lengths.sum().item(), device) / dist.get_world_size(), 1.0)
-    denominator = len(lengths) * (cfg.max_completion_length if cfg.loss_type == "dr_grpo" else 1)
-    if cfg.loss_type == "dapo":
-        denominator = tokens_per_rank
+    """grpo_loss's keywords for one step (lengths [B]: this rank's completion lengths), its denominator above all.
+    DeepSpeed averages the gradient over the ranks and sums it over the micro-batches (scale_wrt_gas=False). So each
+    micro-batch's loss is a sum (grpo_loss) over a denominator that is fixed for the whole step:
+
+        loss_type  numerator               denominator                    the gradient is that of the mean over the
+        grpo       sum of sequence means   sequences on this rank         step's sequences of their token means
+        dr_grpo    sum over tokens         sequences on this rank x M     step's sequences of their token sums / M
+        dapo       sum over tokens         tokens on all ranks / ranks    step's tokens
+
+    M is max_completion_length. The sums run over the completions' tokens (the mask)."""
+    if cfg.loss_type == "grpo":
+        denominator = len(lengths)
+    elif cfg.loss_type == "dr_grpo":
+        denominator = len(lengths) * cfg.max_completion_length
+    else:  # dapo
+        denominator = max(global_sum(lengths.sum().item(), device) / dist.get_world_size(), 1.0)
     clip = {"epsilon_low": cfg.epsilon, "epsilon_high": cfg.epsilon_high}
     return {"denominator": denominator, "loss_type": cfg.loss_type, "beta": cfg.beta, **clip}
 
@@ -664,9 +695,9 @@ def sequence_logprobs(model, prompts, completions, temperature: float, device, p
     # Position t predicts token t + 1: completion token t of row i is predicted at position len(prompt i) - 1 + t
     lengths = torch.tensor([len(c) for c in completions])  # [B]
     mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
-    rows, columns = mask.nonzero(as_tuple=True)  # [N] each, row by row: token `columns` of completion `rows`
-    positions = torch.tensor([len(p) - 1 for p in prompts])[rows] + columns  # [N]
-    predicting = to_device(torch.stack([rows, positions]))  # [2, N]: (row, position) of each token's prediction
+    row_index, token_index = mask.nonzero(as_tuple=True)  # [N] each, row by row: token token_index of row row_index
+    positions = torch.tensor([len(p) - 1 for p in prompts])[row_index] + token_index  # [N]
+    predicting = to_device(torch.stack([row_index, positions]))  # [2, N]: (row, position) of each token's prediction
     logp, entropy = model(ids, predicting, temperature, micro_batch_tokens)  # [N] each
     mask = to_device(mask)
     zeros = torch.zeros(mask.shape, device=device)
@@ -697,9 +728,9 @@ class LogprobModel(torch.nn.Module):
         # and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). Without a mask SDPA can
         # take its Flash kernel: the train phase at 8k-token rows took half the time.
         hidden_states = self.causal_lm.base_model(input_ids=ids).last_hidden_state  # [B, L, H]
-        rows, positions = predicting
-        hidden = hidden_states[rows, positions]  # [N, H]
-        tokens = ids[rows, positions + 1]  # [N]
+        row_index, positions = predicting
+        hidden = hidden_states[row_index, positions]  # [N, H]
+        tokens = ids[row_index, positions + 1]  # [N]
         head = self.causal_lm.get_output_embeddings()
         num_chunks = math.ceil(micro_batch_tokens * head.out_features / LOGPROB_CHUNK)  # (alike on every rank)
         return chunked_logprobs(head, hidden, tokens, temperature, num_chunks)
@@ -710,7 +741,8 @@ def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperatu
     num_chunks slices whatever N is (empty ones too: ZeRO-3's rule, in LogprobModel)."""
     size = math.ceil(len(tokens) / num_chunks)
     slices = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
-    chunks = [checkpoint(head_logprobs, head, hidden[s], tokens[s], temperature, use_reentrant=False) for s in slices]
+    recompute = torch.utils.checkpoint.checkpoint  # (activation checkpointing: the forward runs again in backward)
+    chunks = [recompute(head_logprobs, head, hidden[s], tokens[s], temperature, use_reentrant=False) for s in slices]
     logps, entropies = zip(*chunks, strict=True)  # (log p, entropy) per chunk -> all log-probs, all entropies
     return torch.cat(logps), torch.cat(entropies)
 
@@ -719,8 +751,8 @@ def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature:
     """hidden [n, H] -> the head's logits [n, V] -> log p(token), entropy (no grad) [n] of softmax(logits / T)."""
     logp_all = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [n, V]
     logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
-    # The entropy comes after the gather: the backward pass's recompute stops at the gather (checkpoint's early stop),
-    # so it never recomputes the entropy. exp() makes one more [n, V] tensor; the product goes into it, not a third.
+    # The entropy comes after the gather. The backward pass's recompute stops at the gather (checkpointing's early
+    # stop), so it never recomputes the entropy. exp() makes one more [n, V] tensor, and the product goes into it.
     with torch.no_grad():
         entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # [n]
     return logp, entropy
@@ -739,7 +771,7 @@ def grpo_loss(
     *,
     denominator: float,
     ref_logp: torch.Tensor | None = None,
-    is_weight: torch.Tensor | None = None,
+    importance_weight: torch.Tensor | None = None,
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     beta: float = 0.0,
@@ -747,19 +779,19 @@ def grpo_loss(
 ) -> tuple[torch.Tensor, dict]:
     """The clipped GRPO surrogate, and the token sums of the clip and KL metrics.
 
-    logp, old_logp, ref_logp, is_weight, mask: [B, T]; advantages: [B]. Per token, with ratio = exp(logp - old_logp):
-        loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * is_weight + beta * k3
+    logp, old_logp, ref_logp, importance_weight (w), mask: [B, T]; advantages (A): [B]. Per token:
+        ratio = exp(logp - old_logp)
+        loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * w + beta * k3
         k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (an unbiased, never negative estimate of the KL)
-    and over the tokens of the mask, / denominator (see loss_settings):
-        grpo           the sum over sequences of each one's token mean
-        dr_grpo, dapo  the sum over tokens"""
+    Over the tokens of the mask: for grpo the sum over sequences of each one's token mean, else the sum over tokens;
+    then / denominator (the table in loss_settings)."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # [B, T]
     adv = advantages.unsqueeze(1)  # [B, 1]
     clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # [B, T]
-    if is_weight is not None:
-        per_token = per_token * is_weight
+    if importance_weight is not None:
+        per_token = per_token * importance_weight
     kl = torch.zeros_like(logp)  # [B, T]
     if beta != 0.0:
         log_ratio = ref_logp - logp
@@ -780,15 +812,15 @@ def grpo_loss(
     return loss, sums
 
 
-def add_sync_check(stats: Stats, trainer_logp, vllm_logp, is_weight, mask, entropy) -> None:
+def add_sync_check(stats: Stats, trainer_logp, vllm_logp, importance_weight, mask, entropy) -> None:
     """THE WEIGHT-SYNC CHECK: the trainer's pre-update log-probs of the sampled tokens against vLLM's ([b, T] each):
     kernel rounding apart when vLLM holds the weights just trained; stale weights are off by ~0.1-1."""
     diff = (trainer_logp - vllm_logp).abs() * mask  # [b, T]
     tokens = mask.sum()
     stats.mean("sampling/logp_diff_mean", diff.sum(), tokens)
     stats.max("sampling/logp_diff_max", diff.max())
-    stats.mean("sampling/is_ratio_mean", (is_weight * mask).sum(), tokens)
-    stats.max("sampling/is_ratio_max", (is_weight * mask).max())  # (no boolean index: the CPU does not wait)
+    stats.mean("sampling/is_ratio_mean", (importance_weight * mask).sum(), tokens)
+    stats.max("sampling/is_ratio_max", (importance_weight * mask).max())  # (no boolean index: the CPU does not wait)
     stats.mean("entropy", (entropy * mask).sum(), tokens)
 
 
@@ -810,8 +842,8 @@ def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
     return ds
 
 
-def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, train: bool = True):
-    """A ZeRO-3 engine of the model as a LogprobModel (train=False: a frozen reference), dropout off: vLLM samples
+def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, trainable: bool = True):
+    """A ZeRO-3 engine of the model as a LogprobModel (trainable=False: a frozen reference), dropout off: vLLM samples
     without it."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -821,7 +853,7 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     for key, value in vars(model_config).items():  # attention_dropout, hidden_dropout_prob, resid_pdrop, ...
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(model_config, key, 0.0)
-    if not train:
+    if not trainable:
         ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
     # transformers partitions the weights for ZeRO-3 as it loads them while this object is alive: keep the reference
     zero3_while_loading = HfDeepSpeedConfig(ds_config)
@@ -830,27 +862,28 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     model.config.use_cache = False
-    if train and cfg.gradient_checkpointing:
+    if trainable and cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # ZeRO-3 fetches and hooks each decoder layer as one unit, not its ~10 submodules (hooks cost CPU time per call)
     deepspeed.utils.set_z3_leaf_modules(model, model._no_split_modules or [], raise_if_not_found=False)
     logprob_model = LogprobModel(model)  # what DeepSpeed wraps: its forward's output is the log-probs
-    trainable = logprob_model.parameters() if train else None
-    trainer, *_ = deepspeed.initialize(model=logprob_model, config=ds_config, model_parameters=trainable)
+    parameters = logprob_model.parameters() if trainable else None
+    trainer, *_ = deepspeed.initialize(model=logprob_model, config=ds_config, model_parameters=parameters)
     del zero3_while_loading  # (kept alive until here)
-    if not train:
+    if not trainable:
         trainer.eval()
     return trainer
 
 
-def load_training_state(trainer, checkpoint: str, ds_config: dict) -> None:
+def load_training_state(trainer, checkpoint_dir: str, ds_config: dict) -> None:
     """Every rank's weights and optimizer state; the optimizer settings are this run's (e.g. a lower learning rate)."""
-    trainer.load_checkpoint(os.path.join(checkpoint, "deepspeed"), tag="state")
-    settings = ds_config.get("optimizer", {}).get("params", {})  # (their "auto" values filled from the options)
+    trainer.load_checkpoint(os.path.join(checkpoint_dir, "deepspeed"), tag="state")
+    optimizer_params = ds_config.get("optimizer", {}).get("params", {})  # ("auto" values filled from the options)
     for group in trainer.optimizer.param_groups:
         for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in settings:
-                group[key] = tuple(settings[key]) if key == "betas" else settings[key]
+            if key in optimizer_params:
+                value = optimizer_params[key]
+                group[key] = tuple(value) if key == "betas" else value
 
 
 # ============================================================================================================== data
@@ -1050,7 +1083,8 @@ class Inputs:
 
 
 def load_inputs(cfg: Config, world: int) -> Inputs:
-    """The options checked, then what they name loaded, the cheapest first, alike on every rank: all fail alike."""
+    """The options checked, then what they name loaded, the cheapest first. Every rank runs the same checks on the
+    same inputs, so a bad input stops every rank with the same line."""
     from transformers import AutoConfig, AutoTokenizer
 
     check_options(cfg, world)
@@ -1095,7 +1129,7 @@ def check_options(cfg: Config, world: int) -> None:
     cap = cfg.vllm_importance_sampling_clip_max
     with loading("chat_template_kwargs", cfg.chat_template_kwargs):  # (JSON's own error)
         template_ok = isinstance(cfg.template_kwargs, dict)
-    rows = [
+    checks = [
         (not too_small, f"--{', --'.join(too_small)}: must be >= 1"),
         (not negative, f"--{', --'.join(negative)}: must be >= 0"),
         (tp_fits, f"--vllm_tensor_parallel_size {tp} must divide the {world} ranks and the {per_node} per node"),
@@ -1114,7 +1148,7 @@ def check_options(cfg: Config, world: int) -> None:
         (set(cfg.report_to) <= {"none", "wandb", "trackio"}, f"--report_to {cfg.report_to}: none, wandb or trackio"),
         (template_ok, f"--chat_template_kwargs {cfg.chat_template_kwargs}: must be a JSON object"),
     ]
-    for ok, message in rows:
+    for ok, message in checks:
         if not ok:
             raise ConfigError(message)
 
@@ -1144,7 +1178,7 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
     """--resume (latest: output_dir's newest) -> its folder and the step to continue from, checked against this run."""
     path = cfg.resume
     if path == "latest":
-        path = (checkpoints(cfg.output_dir) or [None])[-1]
+        path = (saved_checkpoints(cfg.output_dir) or [None])[-1]
         if path is None:
             raise ConfigError(f"--resume latest: no checkpoint in {cfg.output_dir}")
     now = {"world_size": world, "seed": cfg.seed, "vllm_tensor_parallel_size": cfg.vllm_tensor_parallel_size}
@@ -1154,7 +1188,7 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
             if state[key] != value:
                 needs = "an exact resume needs the same number of ranks, --seed and --vllm_tensor_parallel_size"
                 raise ConfigError(f"--resume {path}: saved with {key} {state[key]}, resumed with {value}; {needs}")
-    newer = [c for c in checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
+    newer = [c for c in saved_checkpoints(cfg.output_dir) if checkpoint_step(c) > state["step"]]
     if newer:  # the new steps would mix with theirs, and a later `--resume latest` would pick the abandoned branch
         branch = f"to branch off from step {state['step']}, pass another --output_dir"
         raise ConfigError(f"--resume {path}: output_dir also holds {newer[-1]}, a later checkpoint; {branch}")
@@ -1167,7 +1201,9 @@ def check_output_dir(cfg: Config) -> None:
     used = os.path.exists(os.path.join(out, "metrics.jsonl")) or glob.glob(os.path.join(out, "checkpoint-*"))
     its_own = bool(cfg.resume) and Path(cfg.resume).absolute().parent.resolve() == Path(out).resolve()
     if used and not (cfg.resume == "latest" or its_own):
-        resumable = checkpoints(out) and not cfg.resume  # (--resume of another run's checkpoint: it is elsewhere)
+        resumable = (
+            saved_checkpoints(out) and not cfg.resume
+        )  # (--resume of another run's checkpoint: it is elsewhere)
         advice = "--resume latest, or another --output_dir" if resumable else "another --output_dir"
         raise ConfigError(f"--output_dir {out} holds another run: pass {advice}")
     with loading("output_dir", out):
@@ -1276,12 +1312,12 @@ def prune_checkpoints(output_dir: str, step: int, limit: int | None) -> None:
         if cut_short and int(cut_short.group(1)) <= step:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     if limit:
-        saved = [path for path in checkpoints(output_dir) if checkpoint_step(path) <= step]
+        saved = [path for path in saved_checkpoints(output_dir) if checkpoint_step(path) <= step]
         for path in saved[:-limit]:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def checkpoints(output_dir: str) -> list[str]:
+def saved_checkpoints(output_dir: str) -> list[str]:
     """The complete checkpoint-N folders of output_dir, oldest first (a save cut short is still *.tmp)."""
     found = glob.glob(os.path.join(output_dir, "checkpoint-*"))  # (none if output_dir does not exist)
     done = [path for path in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(path))]
@@ -1464,8 +1500,7 @@ def main(argv: list[str] | None = None) -> None:
     if ON_GPU:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
-        # No device_id: with one, torch creates the NCCL communicator of every new group at once, and vLLM creates
-        # several groups that mostly never communicate: 2.3 GiB per GPU that sleep cannot give back.
+        # No device_id: the co-location section says why.
         dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)
     try:
         inputs = load_inputs(cfg, dist.get_world_size())

@@ -174,8 +174,10 @@ def test_loss_clipping_both_sides_kl_and_importance_weight_by_hand():
     # the KL term and vLLM's importance weight
     k3 = 2.0 - math.log(2.0) - 1  # exp(d) - d - 1 with d = ref - logp = log 2
     ref = torch.tensor([[math.log(2.0)]])
-    is_weight = torch.tensor([[0.5]])
-    value, st, _ = loss([[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, is_weight=is_weight, denominator=1)
+    importance_weight = torch.tensor([[0.5]])
+    value, st, _ = loss(
+        [[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, importance_weight=importance_weight, denominator=1
+    )
     assert value.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # the IS weight scales the surrogate, not the KL
     assert st["kl"].item() == pytest.approx(k3)
     w = g.importance_weights(torch.tensor([0.0, math.log(2), math.log(5)]), torch.zeros(3), cap=3.0)
@@ -1000,18 +1002,18 @@ def test_weight_push_order(monkeypatch):
     monkeypatch.setattr(g, "ON_GPU", True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * 2**30, 80 * 2**30))  # 10 GiB free
-    loaded = g.push_weights_to_vllm(FakeLLM(calls), model, sleep_mode=True, wake_bytes=12 * 2**30)  # over what's free
+    loaded = g.wake_and_push_weights(FakeLLM(calls), model, sleep_mode=True, wake_bytes=12 * 2**30)  # over what's free
     assert loaded == {name for name, _ in model.named_parameters()}
     wake_and_load = ["wake_up weights", "load_weights 4 tensors"]
     assert calls == ["empty_cache", *wake_and_load, "empty_cache", "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()  # room enough: the trainer keeps its cached blocks (no cudaFree now, no cudaMalloc in its next step)
-    g.push_weights_to_vllm(FakeLLM(calls), model, sleep_mode=True, wake_bytes=8 * 2**30)
+    g.wake_and_push_weights(FakeLLM(calls), model, sleep_mode=True, wake_bytes=8 * 2**30)
     assert calls == [*wake_and_load, "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()
     monkeypatch.setattr(g, "ON_GPU", False)
     g.make_room_for_wake(12 * 2**30)  # no GPU, no sleep: nothing to make room in
     # CPU: no sleep; the tied lm_head repacked
-    loaded = g.push_weights_to_vllm(FakeLLM(calls), model, sleep_mode=False)
+    loaded = g.wake_and_push_weights(FakeLLM(calls), model, sleep_mode=False)
     assert loaded == {name for name, _ in model.named_parameters()}
     repacked = "repack the tied lm_head, remove_weight=False"
     assert calls == ["reload_weights", "load_weights 4 tensors", repacked, "reset_prefix_cache"]
@@ -1134,7 +1136,7 @@ def zero3_worker(rank, world, model, out_dir):
         norms = []
         ref = None
         if last:
-            ref = g.build_trainer(cfg, model, ds, torch.float32, train=False)
+            ref = g.build_trainer(cfg, model, ds, torch.float32, trainable=False)
             ref.register_forward_hook(lambda *args: ref_forwards.append(1))
         step = engine.step
 
@@ -1161,7 +1163,7 @@ def zero3_worker(rank, world, model, out_dir):
         # the whole global batch's denominator: its tokens (dapo), its sequences (grpo; dr_grpo: x T)
         denominator = {"dapo": live.sum().item(), "grpo": len(comps), "dr_grpo": len(comps) * T}[loss_type]
         plain_loss, _ = g.grpo_loss(
-            logp, logp.detach(), adv, live, is_weight=isw, loss_type=loss_type, denominator=denominator
+            logp, logp.detach(), adv, live, importance_weight=isw, loss_type=loss_type, denominator=denominator
         )
         plain_loss.backward()
         worst = 0.0
@@ -1349,7 +1351,7 @@ sys.path.insert(0, {here!r})
 import torch
 from transformers import AutoModelForCausalLM
 import grpo_colocate as g
-push = g.push_weights_to_vllm  # the originals
+push = g.wake_and_push_weights  # the originals
 grpo_loss = g.grpo_loss
 check = g.check_push_loaded_everything
 pushes = []
@@ -1413,7 +1415,7 @@ def copy_core_then_train(cfg, inputs, colo, run_log, device):  # (the run's own 
     train(cfg, inputs, colo, run_log, device)
 
 train = g.train
-g.push_weights_to_vllm = faulty_push
+g.wake_and_push_weights = faulty_push
 g.grpo_loss = nan_loss
 g.check_push_loaded_everything = check_with_a_gap_first
 g.train = copy_core_then_train

@@ -58,7 +58,7 @@ def record(out: str) -> None:
     sleep = vllm.LLM.sleep
     wake_up = vllm.LLM.wake_up
     timer_call = g.PhaseTimer.__call__
-    push = g.push_weights_to_vllm
+    push = g.wake_and_push_weights
 
     def sleep_and_note(self, *args, **kwargs):
         sleep(self, *args, **kwargs)
@@ -87,7 +87,7 @@ def record(out: str) -> None:
     vllm.LLM.sleep = sleep_and_note
     vllm.LLM.wake_up = wake_up_and_note
     g.PhaseTimer.__call__ = timed
-    g.push_weights_to_vllm = push_and_note
+    g.wake_and_push_weights = push_and_note
     stop = threading.Event()
     g.main(sys.argv[1:])
     stop.set()
