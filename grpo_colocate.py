@@ -13,9 +13,10 @@ puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). On
   4. the trainer's log-probs (`sequence_logprobs`, `LogprobModel`), the clipped loss (`grpo_loss`; denominators:
      `loss_settings`), backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`):
      the trainer's log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights show.
-The mechanisms follow `train` in that order, then the data, then the plumbing. Deviations from the paper and from TRL
-1.16: README.md, "Deviations from TRL". Launch (`bash run.sh` does it; --save_steps 50, and --resume latest after a
-stop or a crash; SIGTERM or SIGINT stops at the next safe point with a checkpoint, exit status 0):
+The mechanisms follow `train` in that order, then the data and rewards, then the plumbing: the input checks
+(`load_inputs`), checkpoints, signals, and `Stats` (one step's metrics, combined over the ranks). Deviations from the
+paper and from TRL 1.16: README.md, "Deviations from TRL". Launch (`bash run.sh` does it; --save_steps 50, and
+--resume latest after a stop or a crash; SIGTERM or SIGINT stops at the next safe point with a checkpoint, exit 0):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
@@ -151,9 +152,14 @@ class Config:
 PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (its extra memory, + 1 parameter)
 # logits per LM head chunk of the trainer's log-prob pass (1 GiB in float32); its peak: 3 chunks in backward, 2 forward
 LOGPROB_CHUNK = 2**28
-# what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, Inkling): see check_model
+# what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, ...): see check_model
 LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
-LOGIT_TRANSFORMS += ["logits_mup_width_multiplier"]  # (divides the hidden state before the head)
+LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (Inkling: before the head; Muse Glimmer)
+# apply_chat_template's own parameters: --chat_template_kwargs sets template variables (enable_thinking, tools), never
+# these, which would change what the prompt-length check measures and what is trained
+CHAT_TEMPLATE_OWN = {"tokenize", "return_dict", "add_generation_prompt", "continue_final_message", "chat_template"}
+CHAT_TEMPLATE_OWN |= {"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"}
+CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs"}
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -1070,6 +1076,8 @@ def reward_function(name: str):
         return getattr(importlib.import_module(module_name), function_name)
 
 
+# ========================================================================================================== plumbing
+# What keeps the run safe and tells what it does: the input checks, errors, checkpoints, signals, metrics and logging.
 @dataclass
 class Inputs:
     """What the loop reads: the data, reward functions, tokenizer and DeepSpeed config, and the resume point."""
@@ -1128,7 +1136,9 @@ def check_options(cfg: Config, world: int) -> None:
     tp_fits = world % tp == 0 and per_node % tp == 0  # TP groups are contiguous ranks of one node
     cap = cfg.vllm_importance_sampling_clip_max
     with loading("chat_template_kwargs", cfg.chat_template_kwargs):  # (JSON's own error)
-        template_ok = isinstance(cfg.template_kwargs, dict)
+        template_kwargs = cfg.template_kwargs
+    template_ok = isinstance(template_kwargs, dict)  # (not 5, nor null)
+    template_own = ", ".join(sorted(set(template_kwargs) & CHAT_TEMPLATE_OWN)) if template_ok else ""
     checks = [
         (not too_small, f"--{', --'.join(too_small)}: must be >= 1"),
         (not negative, f"--{', --'.join(negative)}: must be >= 0"),
@@ -1147,6 +1157,7 @@ def check_options(cfg: Config, world: int) -> None:
         (len(set(reward_names)) == len(reward_names), f"--reward_funcs {cfg.reward_funcs}: two share a name"),
         (set(cfg.report_to) <= {"none", "wandb", "trackio"}, f"--report_to {cfg.report_to}: none, wandb or trackio"),
         (template_ok, f"--chat_template_kwargs {cfg.chat_template_kwargs}: must be a JSON object"),
+        (not template_own, f"--chat_template_kwargs {template_own}: an apply_chat_template option"),
     ]
     for ok, message in checks:
         if not ok:
@@ -1229,8 +1240,6 @@ def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
         )
 
 
-# ========================================================================================================== plumbing
-# What keeps the run safe and tells what it does: errors, checkpoints, signals, metrics and logging, main.
 class ConfigError(ValueError):
     """Bad input (an option, what it names, a reward function's output): one line, exit status 2."""
 

@@ -602,6 +602,10 @@ REFUSED = """
 2 | --report_to mlflow | --report_to ['mlflow']: none, wandb or trackio
 2 | --report_to wandb | --report_to wandb: the wandb package is not installed (pip install wandb)
 2 | --chat_template_kwargs [1] | --chat_template_kwargs [1]: must be a JSON object
+2 | --chat_template_kwargs 5 | --chat_template_kwargs 5: must be a JSON object
+2 | --chat_template_kwargs null | --chat_template_kwargs null: must be a JSON object
+2 | --chat_template_kwargs '{"padding":1}' | --chat_template_kwargs padding: an apply_chat_template option
+2 | --chat_template_kwargs '{"tokenize":0,"max_length":9}' | --chat_template_kwargs max_length, tokenize: an apply_chat
 2 | --chat_template_kwargs '{"enable_thinking":' | --chat_template_kwargs {"enable_thinking":: JSONDecodeError:
 2 | --output_dir TMP/used | --output_dir TMP/used holds another run: pass --resume latest, or another --output_dir
 2 | --deepspeed_config TMP/bad.json | --deepspeed_config TMP/bad.json: JSONDecodeError:
