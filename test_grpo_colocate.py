@@ -174,10 +174,8 @@ def test_loss_clipping_both_sides_kl_and_importance_weight_by_hand():
     # the KL term and vLLM's importance weight
     k3 = 2.0 - math.log(2.0) - 1  # exp(d) - d - 1 with d = ref - logp = log 2
     ref = torch.tensor([[math.log(2.0)]])
-    importance_weight = torch.tensor([[0.5]])
-    value, st, _ = loss(
-        [[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, importance_weight=importance_weight, denominator=1
-    )
+    half = torch.tensor([[0.5]])
+    value, st, _ = loss([[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, importance_weight=half, denominator=1)
     assert value.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # the IS weight scales the surrogate, not the KL
     assert st["kl"].item() == pytest.approx(k3)
     w = g.importance_weights(torch.tensor([0.0, math.log(2), math.log(5)]), torch.zeros(3), cap=3.0)
@@ -602,10 +600,8 @@ REFUSED = """
 2 | --report_to mlflow | --report_to ['mlflow']: none, wandb or trackio
 2 | --report_to wandb | --report_to wandb: the wandb package is not installed (pip install wandb)
 2 | --chat_template_kwargs [1] | --chat_template_kwargs [1]: must be a JSON object
-2 | --chat_template_kwargs 5 | --chat_template_kwargs 5: must be a JSON object
 2 | --chat_template_kwargs null | --chat_template_kwargs null: must be a JSON object
 2 | --chat_template_kwargs '{"padding":1}' | --chat_template_kwargs padding: an apply_chat_template option
-2 | --chat_template_kwargs '{"tokenize":0,"max_length":9}' | --chat_template_kwargs max_length, tokenize: an apply_chat
 2 | --chat_template_kwargs '{"enable_thinking":' | --chat_template_kwargs {"enable_thinking":: JSONDecodeError:
 2 | --output_dir TMP/used | --output_dir TMP/used holds another run: pass --resume latest, or another --output_dir
 2 | --deepspeed_config TMP/bad.json | --deepspeed_config TMP/bad.json: JSONDecodeError:
@@ -923,12 +919,8 @@ def test_tp_exchange_keeps_prompts_aligned_and_eval_sends_batches_of_one_step():
     prompt i of the group's list samples with seed + 3i (vLLM gives its n=3 samples +0, +1, +2) on every rank. evaluate
     sends vLLM at most one step's prompts a call (the KV cache holds one step), works where a rank has no eval rows
     (and still takes part in its TP group's exchange), and scores every row once."""
-    batches = [  # 5 and 4 rows a rank, at most a step's 2 prompts a call; TP 2: at most 2 x 2; 1 row: rank 1 has none
-        {0: [2, 2, 1], 1: [2, 2]},
-        {0: [4, 4, 1], 1: [4, 4, 1]},
-        {0: [1], 1: []},
-        {0: [1], 1: [1]},
-    ]
+    # 5 and 4 rows a rank, at most a step's 2 prompts a call; TP 2: at most 2 x 2; 1 row: rank 1 has none
+    batches = [{0: [2, 2, 1], 1: [2, 2]}, {0: [4, 4, 1], 1: [4, 4, 1]}, {0: [1], 1: []}, {0: [1], 1: [1]}]
     assert g.tp_group_layout(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # contiguous ranks
     assert g.tp_group_layout(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]] and g.tp_group_layout(2, 1) == [[0], [1]]
     for rank, ((engine_calls, own), evals) in run_workers(tp_worker, 2).items():
@@ -1024,10 +1016,9 @@ def test_weight_push_order(monkeypatch):
 
 
 def test_the_two_sleeps_level_2_the_first_measures_the_rest_keep_torch_cache(monkeypatch):
-    """The first sleep, after the build, is vLLM's own sleep(level=2) with its closing torch.cuda.empty_cache(): the
-    free memory before the build, after it and after the sleep give what vLLM holds awake and asleep. Every later
-    sleep is sleep_vllm: level 2 without empty_cache, whose every block the trainer cached would go back to the driver
-    and be cudaMalloc'ed again in its next step; empty_cache is put back afterwards, also when sleep raises."""
+    """The first sleep is vLLM's own sleep(level=2), with its closing empty_cache: the free memory before the build,
+    after it and after the sleep give what vLLM holds awake and asleep. Every later sleep is sleep_vllm: level 2
+    without empty_cache (the trainer's cached blocks stay), which is put back afterwards, also when sleep raises."""
     calls = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     free = iter([70 * 2**30, 78 * 2**30])  # after the build, after the sleep (80 GiB before the build)
@@ -1483,9 +1474,8 @@ def test_e2e_tensor_parallel_2_with_reference_and_two_iterations(tp2_run, tiny_m
     rc, log, metrics, out = tp2_run
     assert rc == 0, log[-4000:]
     assert_trained_and_in_sync(metrics, tiny_model, out / "final", steps=5)
-    for m in [m for m in metrics if "loss" in m]:
-        assert m["kl"] > 0 and math.isfinite(m["loss"]), m
-        assert m["clip_ratio/low"] > 0 and m["clip_ratio/high"] > 0, m
+    for m in [m for m in metrics if "loss" in m]:  # the 2nd pass moves off the 1st, and the clip acts on both sides
+        assert m["kl"] > 0 and m["clip_ratio/low"] > 0 and m["clip_ratio/high"] > 0 and math.isfinite(m["loss"]), m
 
 
 # ------------------------------------------------------------------------------------------ bad input, faults, stops
