@@ -53,10 +53,9 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-# vLLM, DeepSpeed and transformers read these (external_launcher runs the engine in this process); the shell's values
-# win. On CPU, vLLM's warnings are about its CPU backend (no tcmalloc, no Triton, eager mode, thread binding).
+# vLLM, DeepSpeed and transformers read these (vLLM's engine runs in this process); the shell's values win.
 ON_GPU = torch.cuda.is_available()
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if ON_GPU else "ERROR")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if ON_GPU else "ERROR")  # (CPU: warnings about the CPU backend)
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no progress bar per saved shard
@@ -68,8 +67,7 @@ logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
 
 from transformers.hf_argparser import HfArg, HfArgumentParser  # noqa: E402 (it reads the environment set above)
 
-# DeepSpeed and vLLM call torch.distributed functions that torch has deprecated (a warning per call), and barrier()
-# warns that the process group is not bound to a device (deliberately: the co-location section says why).
+# torch warns at each deprecated torch.distributed call of DeepSpeed and vLLM, and at barrier() with no device_id.
 warnings.filterwarnings("ignore", message=r".*(torch\.distributed.*deprecated|deprecated.*torch\.distributed)")
 warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context")
 
@@ -112,12 +110,10 @@ class Config:
     num_iterations: int = HfArg(default=1, help="optimizer passes per generated batch (> 1: clipping acts)")
     reward_funcs: list[str] = HfArg(default_factory=lambda: ["correctness", "format"], help="built-ins or module.fn")
     reward_weights: list[float] | None = HfArg(default=None, help="one per reward function (default 1, format 0.5)")
-    # (vLLM's kernels sample from a slightly different distribution than the trainer computes)
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
     # --- vLLM
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
-    # (the KV cache is sized to one step's batch: this share is only what vLLM checks is free at start-up)
     vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts only if this share of the GPU is free")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory while training (CUDA only)")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
@@ -150,13 +146,11 @@ class Config:
 
 
 PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (its extra memory, + 1 parameter)
-# logits per LM head chunk of the trainer's log-prob pass (1 GiB in float32); its peak: 3 chunks in backward, 2 forward
-LOGPROB_CHUNK = 2**28
+LOGPROB_CHUNK = 2**28  # logits per LM head chunk (1 GiB in float32); its peak: 3 chunks in backward, 2 forward
 # what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, ...): see check_model
 LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
 LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (Inkling: before the head; Muse Glimmer)
-# apply_chat_template's own parameters: --chat_template_kwargs sets template variables (enable_thinking, tools), never
-# these, which would change what the prompt-length check measures and what is trained
+# apply_chat_template's own parameters, which --chat_template_kwargs may not set: they would change what is trained
 CHAT_TEMPLATE_OWN = {"tokenize", "return_dict", "add_generation_prompt", "continue_final_message", "chat_template"}
 CHAT_TEMPLATE_OWN |= {"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"}
 CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs"}
@@ -184,11 +178,8 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         step_start = time.perf_counter()
         eval_step = evals_enabled(cfg) and step % cfg.eval_steps == 0
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
-        try:
-            with timer("push"):  # waking vLLM included
-                loaded = wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
-        except (KeyError, ValueError) as e:  # vLLM's loader refusing a name of the trainer's model
-            raise ConfigError(f"--model {cfg.model}: vLLM's loader: {type(e).__name__}: {str(e)[:200]}") from None
+        with timer("push"):  # waking vLLM included
+            loaded = wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
         if step == inputs.first_step:  # the names never change: the first push shows that every weight arrives
             check_push_loaded_everything(colo.llm, loaded)
         metrics = {"step": step}
@@ -196,8 +187,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
             if eval_step:
                 metrics.update(evaluate(colo.llm, inputs, cfg, colo.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
-        prompts_per_rank = cfg.completions_per_rank // G  # (check_options makes it exact)
-        examples = prompts_for_step(inputs.source, step, prompts_per_rank, world)
+        examples = prompts_for_step(inputs.source, step, cfg.completions_per_rank // G, world)
         prompts = [example["prompt"] for example in examples]
         prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
         with timer("generate"):  # the TP group's prompt exchange, generation, the texts decoded
@@ -207,8 +197,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         if colo.sleep_mode:
             with timer("sleep"):
                 sleep_vllm(colo.llm)
-        # a safe point: the samples are dropped, and the resumed run draws them again, with the same seeds
-        if stop_requested(device):
+        if stop_requested(device):  # a safe point: a resumed run draws these samples again, with the same seeds
             return stop_and_save(colo, inputs, cfg, step)
         # ---- 3. rewards -> group-relative advantages
         stats = Stats()
@@ -237,8 +226,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step + 1)
-    # the final weights, evaluated (unless a stop is asked for); then vLLM's memory is freed for the final save
-    if evals_enabled(cfg) and not stop_requested(device):
+    if evals_enabled(cfg) and not stop_requested(device):  # the final eval; then vLLM sleeps for the final save
         wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
         run_log.log({"step": cfg.max_steps, **evaluate(colo.llm, inputs, cfg, colo.tp_group, device)})
         if colo.sleep_mode:
@@ -317,8 +305,7 @@ def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
     world = dist.get_world_size()
     rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
     per_round = cfg.completions_per_rank  # a rank's prompts per round: the KV cache holds one step's samples
-    # The same number of rounds on every rank: each round's exchange is a collective (ZeRO-3's rule, in LogprobModel)
-    rounds = math.ceil(math.ceil(len(eval_rows) / world) / per_round)
+    rounds = math.ceil(math.ceil(len(eval_rows) / world) / per_round)  # alike on every rank: a round is a collective
     greedy = sampling_params(1, 0.0, cfg.max_completion_length)
     stats = Stats()
     for i in range(rounds):
@@ -343,10 +330,9 @@ def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> N
 
 
 # ======================================================================================================= co-location
-# With external_launcher, vLLM starts no processes. Each torchrun rank runs the engine's worker in its own process and
-# joins the ranks' process group, and a TP group's ranks hold one engine together. main starts that group without a
-# device_id: with one, torch creates the NCCL communicator of every new group at once, and vLLM creates several groups
-# that mostly never communicate. Those would take 2.3 GiB per GPU that sleep cannot give back.
+# With external_launcher, vLLM starts no processes: each torchrun rank runs the engine's worker, and a TP group's ranks
+# hold one engine. main gives the process group no device_id. With one, torch creates the NCCL communicator of every
+# new group at once, and vLLM makes several groups that mostly stay idle: 2.3 GiB per GPU that sleep cannot give back.
 # No Config in this section: these functions copy into another project as they are.
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
     """Contiguous ranks share an engine, as vLLM lays them out: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
@@ -354,16 +340,14 @@ def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
 
 
 def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model_len: int, dtype, **llm_options):
-    """This rank's in-process engine, built by a TP group's ranks together, with one seed; a KV cache of max_num_seqs
-    sequences of max_model_len tokens. llm_options: enable_sleep_mode, enforce_eager, gpu_memory_utilization, ..."""
+    """This rank's in-process engine, which the ranks of its TP group build together (llm_options: LLM's keywords)."""
     from vllm import LLM
 
     return LLM(
         model=model_path,
         tensor_parallel_size=tp,
         distributed_executor_backend="external_launcher",
-        # One seed per engine, so that a TP group's ranks sample alike. It seeds the requests that carry no seed of
-        # their own, such as the eval's greedy ones; the training samples carry theirs (generate).
+        # One seed per engine, so that a TP group's ranks sample alike; only requests without their own use it.
         seed=seed + dist.get_rank() // tp,
         dtype=dtype,
         max_model_len=max_model_len,
@@ -391,10 +375,9 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
 
 
 # The two sleeps. Both are level 2: vLLM discards its weights and frees its KV cache, and the next push wakes it and
-# loads the weights. The first sleep, after the build, is vLLM's own llm.sleep. It ends with torch.cuda.empty_cache(),
-# so the free memory afterwards shows what the engine keeps while asleep. Every later sleep is sleep_vllm, which skips
-# that empty_cache. empty_cache gives torch's cached blocks back to the driver, which helps a trainer in another
-# process; our trainer, in this process, would only have to cudaMalloc them again.
+# loads the weights. The first, after the build, is vLLM's own llm.sleep. It ends with torch.cuda.empty_cache(), so the
+# free memory then shows what the engine keeps asleep. Every later sleep skips that call. It gives torch's cached
+# blocks back to the driver, which helps a trainer in another process; ours would only cudaMalloc them again.
 def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
@@ -410,10 +393,8 @@ def sleep_vllm(llm) -> None:
 
 
 def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
-    """Make vLLM sample from the weights just trained; returns the names of the engine's parameters it loaded.
-    Level-2 sleep discarded vLLM's weights. So this wakes the weight memory, streams the trained parameters in (vLLM's
-    model is in this process), wakes the KV cache and drops the cached prefixes. wake_bytes is what vLLM maps again
-    at wake-up (0 if unknown). Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
+    """Make vLLM sample from the weights just trained; returns the names of the parameters vLLM loaded.
+    Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
     if sleep_mode:
         make_room_for_wake(wake_bytes)
         llm.wake_up(tags=["weights"])
@@ -432,16 +413,13 @@ def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> 
 def make_room_for_wake(wake_bytes: int) -> None:
     """Give torch's cached blocks back (a cudaFree now, a cudaMalloc in the next step) only if vLLM's wake-up needs the
     room, plus 1 GiB for what generation allocates outside vLLM's pool (logits: 0.15 GiB at 256 x 152k tokens)."""
-    if not ON_GPU:  # (no sleep elsewhere)
-        return
-    if wake_bytes <= 0 or torch.cuda.mem_get_info()[0] < wake_bytes + 2**30:
+    if ON_GPU and (wake_bytes <= 0 or torch.cuda.mem_get_info()[0] < wake_bytes + 2**30):  # (wake_bytes 0: unknown)
         torch.cuda.empty_cache()
 
 
 def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
     """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time. Every rank must
-    exhaust it, in step (ZeRO-3's rule, in LogprobModel). A tensor is valid until the next bucket, so the consumer
-    copies it (load_weights, save_model)."""
+    exhaust it, in step (ZeRO-3's rule, in LogprobModel). A tensor is valid until the next bucket: copy it."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -452,8 +430,7 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
         bucket.append((name, param))
         bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
         if bucket_size >= bucket_bytes or i == len(params) - 1:
-            # ZeRO-3 keeps parameters under its persistence threshold whole. Gathered again, they would be
-            # partitioned (freed) on exit, so only the partitioned ones are gathered.
+            # The ones under ZeRO-3's persistence threshold are whole: gathered again, they would be freed on exit.
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
                 for bucket_name, bucket_param in bucket:
@@ -509,9 +486,8 @@ def step_seed(seed: int, step: int, tp_group_index: int) -> int:
 
 
 def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | None = None):
-    """vLLM's outputs for this rank's prompts (tp_group: None at TP 1). A TP group's ranks each run a copy of the
-    scheduler (external_launcher): they submit the same requests in the same order with the same seeds, or their
-    collectives go out of step. Prompt i of the group's list samples with seed + i * n (+ 0 .. n - 1)."""
+    """vLLM's outputs for this rank's prompts. A TP group's ranks each run a copy of the scheduler (external_launcher):
+    they submit the same requests in the same order with the same seeds, or their collectives go out of step."""
     group_prompts, start = exchange_prompts(prompt_ids, tp_group)
     if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
         return []
@@ -522,8 +498,7 @@ def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | Non
         per_prompt = [params.clone() for _ in group_prompts]
         for i, prompt_params in enumerate(per_prompt):
             prompt_params.seed = seed + i * params.n
-    requests = [{"prompt_token_ids": ids} for ids in group_prompts]
-    outputs = llm.generate(requests, per_prompt, use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in group_prompts], per_prompt, use_tqdm=False)
     return outputs[start : start + len(prompt_ids)]
 
 
@@ -566,9 +541,8 @@ def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs,
 
 # ========================================================================================== rewards and advantages
 def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = "") -> torch.Tensor:
-    """The weighted total reward [B]; each function's mean over the samples it scored into stats. Each is called once,
-    as TRL does: completions (text, or an assistant message), prompts, completion_ids, every other column by name.
-    None: cannot score (the others still count; a sample no function scores is NaN, left out by group_advantages)."""
+    """The weighted total reward [B]; each function's mean over its scored samples into stats. Each function is called
+    once per batch, as in TRL; None: cannot score (a sample none scores is NaN, left out by group_advantages)."""
     completions = [
         t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
         for t, row in zip(r.texts, r.rows, strict=True)
@@ -615,9 +589,7 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
     # [b, T] per micro-batch: vLLM's log-probs of the sampled tokens, 0 past each completion's end
     vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
     loss_kwargs = loss_settings(cfg, lengths, device)
-    micro_batch_tokens = (
-        micro_batch_size * cfg.max_completion_length
-    )  # (sets the LM head's chunks: the same on every rank)
+    micro_batch_tokens = micro_batch_size * cfg.max_completion_length  # (sets the head's chunks, alike on all ranks)
 
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
         prompts = r.prompts[s]
@@ -634,23 +606,13 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
             # One pass (the default): old = logp, so the ratio is 1 and the clip never acts (the plain policy
             # gradient); with --num_iterations > 1, the later passes' ratios move off 1 and the clip bounds them.
             old_logp = logp.detach() if old_logps[k] is None else old_logps[k]
-            positions = torch.arange(logp.shape[1], device=device)  # [T]
-            mask = (positions[None] < lengths[s, None]).float()  # [b, T]: 1 on the completion's real tokens
-            importance_weight = importance_weights(
-                old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max
-            )  # [b, T]
+            mask = (torch.arange(logp.shape[1], device=device) < lengths[s, None]).float()  # [b, T]: the real tokens
+            importance_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max)
             if iteration == 0:  # the first pass is before any update: the weights vLLM sampled with
                 add_sync_check(stats, old_logp, vllm_logps[k], importance_weight, mask, entropy)
-            if not cfg.vllm_importance_sampling_correction:
-                importance_weight = None
+            correction = importance_weight if cfg.vllm_importance_sampling_correction else None
             loss, loss_sums = grpo_loss(
-                logp,
-                old_logp,
-                advantages[s],
-                mask,
-                ref_logp=ref_logps[k],
-                importance_weight=importance_weight,
-                **loss_kwargs,
+                logp, old_logp, advantages[s], mask, ref_logp=ref_logps[k], importance_weight=correction, **loss_kwargs
             )
             trainer.backward(loss, scale_wrt_gas=False)  # the denominators already account for accumulation
             rank_loss = rank_loss + loss.detach() / cfg.num_iterations
@@ -668,9 +630,8 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
 
 
 def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
-    """grpo_loss's keywords for one step (lengths [B]: this rank's completion lengths), its denominator above all.
-    DeepSpeed averages the gradient over the ranks and sums it over the micro-batches (scale_wrt_gas=False). So each
-    micro-batch's loss is a sum (grpo_loss) over a denominator that is fixed for the whole step:
+    """grpo_loss's keywords for one step (lengths [B]: this rank's completions'). DeepSpeed averages the gradient over
+    ranks and sums it over micro-batches, so each micro-batch's loss is a sum over a denominator fixed for the step:
 
         loss_type  numerator               denominator                    the gradient is that of the mean over the
         grpo       sum of sequence means   sequences on this rank         step's sequences of their token means
@@ -689,8 +650,7 @@ def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
 
 
 def sequence_logprobs(model, prompts, completions, temperature: float, device, pad_id: int, micro_batch_tokens: int):
-    """Each completion's log-probs and entropies: two [B, T] tensors (T: the longest), 0 past its end. model: a
-    LogprobModel, or DeepSpeed's engine around one. micro_batch_tokens: the most a micro-batch can hold."""
+    """Each completion's log-probs and entropies, [B, T] (T: the longest), 0 past its end; model: a LogprobModel."""
 
     def to_device(host: torch.Tensor) -> torch.Tensor:  # from pinned memory: the CPU does not wait for the GPU
         return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
@@ -736,15 +696,13 @@ class LogprobModel(torch.nn.Module):
         hidden_states = self.causal_lm.base_model(input_ids=ids).last_hidden_state  # [B, L, H]
         row_index, positions = predicting
         hidden = hidden_states[row_index, positions]  # [N, H]
-        tokens = ids[row_index, positions + 1]  # [N]
         head = self.causal_lm.get_output_embeddings()
         num_chunks = math.ceil(micro_batch_tokens * head.out_features / LOGPROB_CHUNK)  # (alike on every rank)
-        return chunked_logprobs(head, hidden, tokens, temperature, num_chunks)
+        return chunked_logprobs(head, hidden, ids[row_index, positions + 1], temperature, num_chunks)
 
 
 def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
-    """hidden [N, H], tokens [N] -> log p(token), entropy [N], the LM head's [n, V] logits recomputed in backward, in
-    num_chunks slices whatever N is (empty ones too: ZeRO-3's rule, in LogprobModel)."""
+    """hidden [N, H], tokens [N] -> log p(token), entropy [N], in num_chunks slices whatever N is (ZeRO-3's rule)."""
     size = math.ceil(len(tokens) / num_chunks)
     slices = [slice(k * size, (k + 1) * size) for k in range(num_chunks)]  # (the last ones empty when N is small)
     recompute = torch.utils.checkpoint.checkpoint  # (activation checkpointing: the forward runs again in backward)
@@ -789,13 +747,11 @@ def grpo_loss(
         ratio = exp(logp - old_logp)
         loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * w + beta * k3
         k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (an unbiased, never negative estimate of the KL)
-    Over the tokens of the mask: for grpo the sum over sequences of each one's token mean, else the sum over tokens;
-    then / denominator (the table in loss_settings)."""
+    Summed over the mask's tokens (grpo: each sequence's mean), then / denominator (the table in loss_settings)."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # [B, T]
     adv = advantages.unsqueeze(1)  # [B, 1]
-    clipped_ratio = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped_ratio * adv)  # [B, T]
+    per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)  # [B, T]
     if importance_weight is not None:
         per_token = per_token * importance_weight
     kl = torch.zeros_like(logp)  # [B, T]
@@ -810,12 +766,11 @@ def grpo_loss(
         loss = per_token.sum() / denominator
     clipped_low = (ratio < 1 - epsilon_low) & (adv < 0)  # the clip stopped a push down
     clipped_high = (ratio > 1 + epsilon_high) & (adv > 0)  # the clip stopped a push up
-    sums = {
+    return loss, {
         "clip_ratio/low": (clipped_low * mask).sum(),
         "clip_ratio/high": (clipped_high * mask).sum(),
         "kl": (kl * mask).detach().sum(),
     }
-    return loss, sums
 
 
 def add_sync_check(stats: Stats, trainer_logp, vllm_logp, importance_weight, mask, entropy) -> None:
@@ -849,8 +804,7 @@ def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
 
 
 def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, trainable: bool = True):
-    """A ZeRO-3 engine of the model as a LogprobModel (trainable=False: a frozen reference), dropout off: vLLM samples
-    without it."""
+    """A ZeRO-3 LogprobModel engine (trainable=False: a frozen reference), dropout off: vLLM samples without it."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
@@ -888,8 +842,7 @@ def load_training_state(trainer, checkpoint_dir: str, ds_config: dict) -> None:
     for group in trainer.optimizer.param_groups:
         for key in ("lr", "betas", "eps", "weight_decay"):
             if key in optimizer_params:
-                value = optimizer_params[key]
-                group[key] = tuple(value) if key == "betas" else value
+                group[key] = tuple(optimizer_params[key]) if key == "betas" else optimizer_params[key]
 
 
 # ============================================================================================================== data
@@ -1077,7 +1030,6 @@ def reward_function(name: str):
 
 
 # ========================================================================================================== plumbing
-# What keeps the run safe and tells what it does: the input checks, errors, checkpoints, signals, metrics and logging.
 @dataclass
 class Inputs:
     """What the loop reads: the data, reward functions, tokenizer and DeepSpeed config, and the resume point."""
@@ -1091,8 +1043,7 @@ class Inputs:
 
 
 def load_inputs(cfg: Config, world: int) -> Inputs:
-    """The options checked, then what they name loaded, the cheapest first. Every rank runs the same checks on the
-    same inputs, so a bad input stops every rank with the same line."""
+    """The options checked, then what they name loaded, the cheapest first. All ranks stop alike on a bad input."""
     from transformers import AutoConfig, AutoTokenizer
 
     check_options(cfg, world)
@@ -1212,9 +1163,7 @@ def check_output_dir(cfg: Config) -> None:
     used = os.path.exists(os.path.join(out, "metrics.jsonl")) or glob.glob(os.path.join(out, "checkpoint-*"))
     its_own = bool(cfg.resume) and Path(cfg.resume).absolute().parent.resolve() == Path(out).resolve()
     if used and not (cfg.resume == "latest" or its_own):
-        resumable = (
-            saved_checkpoints(out) and not cfg.resume
-        )  # (--resume of another run's checkpoint: it is elsewhere)
+        resumable = saved_checkpoints(out) and not cfg.resume  # (a --resume names another run's checkpoint)
         advice = "--resume latest, or another --output_dir" if resumable else "another --output_dir"
         raise ConfigError(f"--output_dir {out} holds another run: pass {advice}")
     with loading("output_dir", out):
@@ -1227,9 +1176,7 @@ def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
         batches = (batch["prompt"] for batch in source.dataset.select_columns("prompt").iter(batch_size=1024))
     else:  # (and its first training row: a model without a chat template fails here with --num_eval_prompts 0 too)
         batches = [[row["prompt"] for row in [*source.eval_rows, source[0]]]]
-    lengths = sorted(
-        len(ids) for prompts in batches for ids in encode_prompts(tokenizer, prompts, cfg.template_kwargs)
-    )
+    lengths = sorted(len(ids) for batch in batches for ids in encode_prompts(tokenizer, batch, cfg.template_kwargs))
     over = sum(n > cfg.max_prompt_length for n in lengths)
     if over:
         p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]
@@ -1285,8 +1232,7 @@ class PhaseTimer:
 
 
 def save_model(model, tokenizer, out_dir: str) -> None:
-    """An HF folder that transformers and vLLM load (model: a LogprobModel, its weights gathered in buckets); all ranks
-    call it, rank 0 writes."""
+    """An HF folder that transformers and vLLM load (model: a LogprobModel); all ranks call it, rank 0 writes."""
     state = {}
     for name, tensor in gathered_params(model):  # every rank takes part in every gather
         if RANK == 0:
@@ -1396,7 +1342,6 @@ class Stats:
 
 
 def global_sum(value: float, device) -> float:
-    """value summed over all ranks."""
     total = torch.tensor(value, dtype=torch.float64, device=device)
     dist.all_reduce(total)
     return total.item()
@@ -1463,8 +1408,7 @@ LOG_LINE = [  # (metric, format) of the line printed per step
 
 
 class RunLog:
-    """Rank 0's record of the run: a line per step on stdout, output_dir/metrics.jsonl (a resumed run keeps the lines
-    before its first step), and a run in each tracker of --report_to (wandb, or trackio: the same API)."""
+    """Rank 0's record: a line per step, output_dir/metrics.jsonl and a run per tracker (wandb, trackio: one API)."""
 
     def __init__(self, cfg: Config, first_step: int):
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
@@ -1509,8 +1453,7 @@ def main(argv: list[str] | None = None) -> None:
     if ON_GPU:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
-        # No device_id: the co-location section says why.
-        dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)
+        dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)  # no device_id: see co-location
     try:
         inputs = load_inputs(cfg, dist.get_world_size())
         torch.manual_seed(cfg.seed)
