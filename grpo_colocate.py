@@ -114,7 +114,7 @@ class Config:
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
     # --- vLLM
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
-    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts only if this share of the GPU is free")
+    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts if this share is free (a check only)")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory while training (CUDA only)")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
     # --- DeepSpeed, output, checkpoints
@@ -149,7 +149,7 @@ PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-ga
 LOGPROB_CHUNK = 2**28  # logits per LM head chunk (1 GiB in float32); its peak: 3 chunks in backward, 2 forward
 # what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, ...): see check_model
 LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
-LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (Inkling: before the head; Muse Glimmer)
+LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (scale the head's input; the logits)
 # apply_chat_template's own parameters, which --chat_template_kwargs may not set: they would change what is trained
 CHAT_TEMPLATE_OWN = {"tokenize", "return_dict", "add_generation_prompt", "continue_final_message", "chat_template"}
 CHAT_TEMPLATE_OWN |= {"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"}
@@ -170,7 +170,6 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
     world = dist.get_world_size()
     G = cfg.num_generations
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
-    pad_id = inputs.tokenizer.pad_token_id or 0
     for step in range(inputs.first_step, cfg.max_steps):
         if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
             return stop_and_save(colo, inputs, cfg, step)
@@ -209,7 +208,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         # ---- 4. the policy update
         try:
             with timer("train"):  # the trainer's forward, backward and optimizer step
-                train_on_rollouts(colo.trainer, colo.ref, rollouts, advantages, cfg, device, pad_id, stats)
+                train_on_rollouts(colo.trainer, colo.ref, rollouts, advantages, cfg, device, stats)
         except NonFiniteError as e:
             last = (saved_checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
@@ -331,7 +330,7 @@ def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> N
 
 # ======================================================================================================= co-location
 # With external_launcher, vLLM starts no processes: each torchrun rank runs the engine's worker, and a TP group's ranks
-# hold one engine. main gives the process group no device_id. With one, torch creates the NCCL communicator of every
+# hold one engine. Our process group has no device_id (main). With one, torch creates the NCCL communicator of every
 # new group at once, and vLLM makes several groups that mostly stay idle: 2.3 GiB per GPU that sleep cannot give back.
 # No Config in this section: these functions copy into another project as they are.
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
@@ -376,8 +375,8 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
 
 # The two sleeps. Both are level 2: vLLM discards its weights and frees its KV cache, and the next push wakes it and
 # loads the weights. The first, after the build, is vLLM's own llm.sleep. It ends with torch.cuda.empty_cache(), so the
-# free memory then shows what the engine keeps asleep. Every later sleep skips that call. It gives torch's cached
-# blocks back to the driver, which helps a trainer in another process; ours would only cudaMalloc them again.
+# free memory then shows what the engine keeps asleep. Every later sleep skips empty_cache: empty_cache gives torch's
+# cached blocks back to the driver, which helps a trainer in another process; ours would only cudaMalloc them again.
 def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
@@ -430,7 +429,7 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
         bucket.append((name, param))
         bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
         if bucket_size >= bucket_bytes or i == len(params) - 1:
-            # The ones under ZeRO-3's persistence threshold are whole: gathered again, they would be freed on exit.
+            # ZeRO-3 keeps small parameters whole. Gathered again, they would be partitioned (freed) on exit.
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
                 for bucket_name, bucket_param in bucket:
@@ -481,7 +480,7 @@ def sampling_params(n: int, temperature: float, max_tokens: int):
 
 def step_seed(seed: int, step: int, tp_group_index: int) -> int:
     """The first sampling seed of a TP group's engine in a step: a hash of (seed, step, group) alone, so a resumed run
-    samples the same; shifted by 20 bits, it leaves the step's samples 2**20 seeds (generate adds i * n + k)."""
+    samples the same. Shifted by 20 bits, it leaves the step 2**20 seeds: prompt i gets + i * n, its sample k + k."""
     return zlib.crc32(f"{seed}:{step}:{tp_group_index}".encode()) << 20
 
 
@@ -497,7 +496,7 @@ def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | Non
     if seed is not None:
         per_prompt = [params.clone() for _ in group_prompts]
         for i, prompt_params in enumerate(per_prompt):
-            prompt_params.seed = seed + i * params.n
+            prompt_params.seed = seed + i * params.n  # (vLLM seeds sample k of the n with seed + k)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in group_prompts], per_prompt, use_tqdm=False)
     return outputs[start : start + len(prompt_ids)]
 
@@ -516,7 +515,7 @@ def exchange_prompts(prompt_ids: list[list[int]], tp_group) -> tuple[list[list[i
 class Rollouts:
     """This rank's samples of a step: completion k of prompt i is entry i * G + k (group_advantages' view(-1, G))."""
 
-    prompts: list[list[int]]  # the prompt's token ids
+    prompt_ids: list[list[int]]  # the prompt's token ids
     completions: list[list[int]]  # the sampled token ids, EOS included
     vllm_logps: list[list[float]]  # vLLM's log-prob of each sampled token
     texts: list[str]  # the completion as text
@@ -526,10 +525,10 @@ class Rollouts:
 
 def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs, tokenizer) -> Rollouts:
     """vLLM's outputs, a list of G samples per prompt, as one flat list of completions; texts decoded in one batch."""
-    r = Rollouts(prompts=[], completions=[], vllm_logps=[], texts=[], rows=[], truncated=[])
+    r = Rollouts(prompt_ids=[], completions=[], vllm_logps=[], texts=[], rows=[], truncated=[])
     for example, ids, output in zip(examples, prompt_ids, outputs, strict=True):
         for sample in output.outputs:  # the prompt's G completions, k = 0 .. G - 1
-            r.prompts.append(ids)
+            r.prompt_ids.append(ids)
             r.completions.append(list(sample.token_ids))
             r.vllm_logps.append(list(sample.logprobs.logprobs))
             r.rows.append(example)
@@ -578,7 +577,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
 
 
 # ============================================================================================ the loss and the trainer
-def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device, pad_id: int, stats: Stats) -> None:
+def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device, stats: Stats) -> None:
     """num_iterations optimizer steps on a step's rollouts, metrics into stats (no .item() per micro-batch)."""
     trainer.train()
     micro_batch_size = cfg.per_device_train_batch_size
@@ -592,8 +591,8 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
     micro_batch_tokens = micro_batch_size * cfg.max_completion_length  # (sets the head's chunks, alike on all ranks)
 
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
-        prompts = r.prompts[s]
-        return sequence_logprobs(model, prompts, r.completions[s], cfg.temperature, device, pad_id, micro_batch_tokens)
+        prompt_ids = r.prompt_ids[s]
+        return sequence_logprobs(model, prompt_ids, r.completions[s], cfg.temperature, device, micro_batch_tokens)
 
     with torch.no_grad():  # [b, T] each: the policy that sampled, frozen before the first update; the reference
         old_logps = [logprobs(trainer, s)[0] if cfg.num_iterations > 1 else None for s in micro_batches]
@@ -608,7 +607,7 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
             old_logp = logp.detach() if old_logps[k] is None else old_logps[k]
             mask = (torch.arange(logp.shape[1], device=device) < lengths[s, None]).float()  # [b, T]: the real tokens
             importance_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max)
-            if iteration == 0:  # the first pass is before any update: the weights vLLM sampled with
+            if iteration == 0:  # (a pass is one optimizer step: the first sees the weights vLLM sampled with)
                 add_sync_check(stats, old_logp, vllm_logps[k], importance_weight, mask, entropy)
             correction = importance_weight if cfg.vllm_importance_sampling_correction else None
             loss, loss_sums = grpo_loss(
@@ -633,10 +632,10 @@ def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
     """grpo_loss's keywords for one step (lengths [B]: this rank's completions'). DeepSpeed averages the gradient over
     ranks and sums it over micro-batches, so each micro-batch's loss is a sum over a denominator fixed for the step:
 
-        loss_type  numerator               denominator                    the gradient is that of the mean over the
-        grpo       sum of sequence means   sequences on this rank         step's sequences of their token means
-        dr_grpo    sum over tokens         sequences on this rank x M     step's sequences of their token sums / M
-        dapo       sum over tokens         tokens on all ranks / ranks    step's tokens
+        loss_type  numerator               denominator                    the gradient: of the step's mean of
+        grpo       sum of sequence means   sequences on this rank         each sequence's token mean
+        dr_grpo    sum over tokens         sequences on this rank x M     each sequence's token sum / M
+        dapo       sum over tokens         tokens on all ranks / ranks    each token's loss
 
     M is max_completion_length. The sums run over the completions' tokens (the mask)."""
     if cfg.loss_type == "grpo":
@@ -649,20 +648,20 @@ def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
     return {"denominator": denominator, "loss_type": cfg.loss_type, "beta": cfg.beta, **clip}
 
 
-def sequence_logprobs(model, prompts, completions, temperature: float, device, pad_id: int, micro_batch_tokens: int):
+def sequence_logprobs(model, prompt_ids, completions, temperature: float, device, micro_batch_tokens: int):
     """Each completion's log-probs and entropies, [B, T] (T: the longest), 0 past its end; model: a LogprobModel."""
 
     def to_device(host: torch.Tensor) -> torch.Tensor:  # from pinned memory: the CPU does not wait for the GPU
         return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
 
-    sequences = [p + c for p, c in zip(prompts, completions, strict=True)]
+    sequences = [p + c for p, c in zip(prompt_ids, completions, strict=True)]
     width = max(len(s) for s in sequences)
-    ids = to_device(torch.tensor([s + [pad_id] * (width - len(s)) for s in sequences]))  # [B, L], right padding
+    ids = to_device(torch.tensor([s + [0] * (width - len(s)) for s in sequences]))  # [B, L], right-padded with 0s
     # Position t predicts token t + 1: completion token t of row i is predicted at position len(prompt i) - 1 + t
     lengths = torch.tensor([len(c) for c in completions])  # [B]
     mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
     row_index, token_index = mask.nonzero(as_tuple=True)  # [N] each, row by row: token token_index of row row_index
-    positions = torch.tensor([len(p) - 1 for p in prompts])[row_index] + token_index  # [N]
+    positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N]
     predicting = to_device(torch.stack([row_index, positions]))  # [2, N]: (row, position) of each token's prediction
     logp, entropy = model(ids, predicting, temperature, micro_batch_tokens)  # [N] each
     mask = to_device(mask)
@@ -674,7 +673,7 @@ class LogprobModel(torch.nn.Module):
     """A causal LM whose forward returns the log-probs and entropies of chosen tokens, never [B, L, V] logits.
 
     DeepSpeed's engine hooks its backward work (gradient reduction, offload, the end of accumulation) onto the output
-    of the module it wraps, so the log-probs must be that output: a loss computed beside it gets wrong gradients. The
+    of the module it wraps, so the log-probs must be that output (a loss computed beside it: gradients 97% off). The
     logits must be what TRL 1.16 assumes: the LM head of the base model's last hidden state (check_model).
     ZeRO-3's rule: every rank calls a partitioned module the same number of times, in the same order. Each call
     gathers the module's weights from every rank in a collective, and a rank that makes one call more waits forever.
@@ -715,8 +714,8 @@ def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature:
     """hidden [n, H] -> the head's logits [n, V] -> log p(token), entropy (no grad) [n] of softmax(logits / T)."""
     logp_all = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [n, V]
     logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
-    # The entropy comes after the gather. The backward pass's recompute stops at the gather (checkpointing's early
-    # stop), so it never recomputes the entropy. exp() makes one more [n, V] tensor, and the product goes into it.
+    # The entropy comes after the gather. In backward, non-reentrant checkpointing stops recomputing once it has every
+    # tensor it saved (at the gather): no entropy again. exp() makes one more [n, V] tensor; the product goes into it.
     with torch.no_grad():
         entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # [n]
     return logp, entropy
@@ -746,7 +745,7 @@ def grpo_loss(
     logp, old_logp, ref_logp, importance_weight (w), mask: [B, T]; advantages (A): [B]. Per token:
         ratio = exp(logp - old_logp)
         loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * w + beta * k3
-        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (an unbiased, never negative estimate of the KL)
+        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (never negative; unbiased under the policy's samples)
     Summed over the mask's tokens (grpo: each sequence's mean), then / denominator (the table in loss_settings)."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # [B, T]
@@ -1192,7 +1191,7 @@ class ConfigError(ValueError):
 
 
 class NonFiniteError(RuntimeError):
-    """A NaN/inf loss or gradient norm, agreed by all ranks: stop (status 3) before saving corrupt weights."""
+    """A NaN/inf loss (before the update) or gradient norm (after it), agreed by all ranks: stop, status 3, no save."""
 
 
 def say(line: str, rank0: bool = False) -> None:
@@ -1445,7 +1444,7 @@ class RunLog:
 
 
 def main(argv: list[str] | None = None) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM):  # first: a stop from torchrun then waits for this rank's error line
+    for sig in (signal.SIGINT, signal.SIGTERM):  # first, so a stop from torchrun lets this rank print its error
         signal.signal(sig, request_stop)
     cfg = parse_config(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

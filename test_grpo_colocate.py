@@ -213,7 +213,7 @@ def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, 
     prompts, comps = [[1, 2, 3], [4, 5], [9, 8, 7, 6]], [[6, 7], [8, 9, 10, 11], [12]]
     head_rows = []
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_rows.append(out.shape[:-1].numel()))
-    logp, ent = g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 0.7, "cpu", 0, micro_batch_tokens=8)
+    logp, ent = g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 0.7, "cpu", micro_batch_tokens=8)
     hook.remove()
     # calls: ceil(micro_batch_tokens x V / LOGPROB_CHUNK); widest: ceil(7 / calls) positions
     assert sum(head_rows) == 7 and len(head_rows) == calls and max(head_rows) == widest
@@ -248,7 +248,7 @@ def test_the_log_prob_pass_keeps_no_vocabulary_sized_tensor_for_backward(tmp_pat
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 1.0, "cpu", 0, micro_batch_tokens=4 * 512)
+        g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 1.0, "cpu", micro_batch_tokens=4 * 512)
     assert sum(sizes) / 2**30 <= 0.25, sum(sizes) / 2**30
 
 
@@ -1058,7 +1058,7 @@ def test_rollouts_from_flat_outputs_and_one_batch_decode():
     outputs = [SimpleNamespace(outputs=[completion(t, k) for k, t in enumerate(pair)]) for pair in texts]
     r = g.collect_rollouts([{"answer": "7"}, {"answer": "12"}], [[1, 2], [3]], outputs, tok)
     assert r.texts == [t for pair in texts for t in pair]
-    assert r.prompts == [[1, 2], [1, 2], [3], [3]] and [row["answer"] for row in r.rows] == ["7", "7", "12", "12"]
+    assert r.prompt_ids == [[1, 2], [1, 2], [3], [3]] and [row["answer"] for row in r.rows] == ["7", "7", "12", "12"]
     assert r.truncated == [False, True, False, True]
     assert [len(c) for c in r.completions] == [len(v) for v in r.vllm_logps]
     assert r.vllm_logps[1] == pytest.approx([-1.1 - 0.1 * j for j in range(len(r.completions[1]))])
@@ -1148,7 +1148,7 @@ def zero3_worker(rank, world, model, out_dir):
         engine.step = capture
         r = g.Rollouts(prompts[mine], comps[mine], vllm[mine], [""] * per_rank, [""] * per_rank, trunc[mine])
         stats = g.Stats()
-        g.train_on_rollouts(engine, ref, r, adv[mine], cfg, torch.device("cpu"), 0, stats)
+        g.train_on_rollouts(engine, ref, r, adv[mine], cfg, torch.device("cpu"), stats)
         # the same weights; eval(): no dropout by definition
         plain = AutoModelForCausalLM.from_pretrained(model).eval()
         logp = torch.nn.utils.rnn.pad_sequence(full_logits_logprobs(plain, prompts, comps, 1.0)[0], batch_first=True)
@@ -1212,7 +1212,7 @@ def zero3_worker(rank, world, model, out_dir):
     engine.get_global_grad_norm = nan_norm
     out["nan_grad_norm"] = "trained on"
     try:
-        g.train_on_rollouts(engine, None, r, adv[mine], resumed, torch.device("cpu"), 0, g.Stats())
+        g.train_on_rollouts(engine, None, r, adv[mine], resumed, torch.device("cpu"), g.Stats())
     except g.NonFiniteError as e:
         out["nan_grad_norm"] = str(e)
     return out
@@ -1389,7 +1389,7 @@ def copy_core(llm, model_path):
         pairs = [(ids, sample) for ids, out in zip(prompts, outputs) for sample in out.outputs]
         completions = [list(sample.token_ids) for _, sample in pairs]
         with torch.no_grad():
-            logp, _ = g.sequence_logprobs(model, [ids for ids, _ in pairs], completions, 1.0, "cpu", 0, 64)
+            logp, _ = g.sequence_logprobs(model, [ids for ids, _ in pairs], completions, 1.0, "cpu", 64)
         vllm_logps = [s.logprobs.logprobs for _, s in pairs]
         diffs = [abs(logp[i, t].item() - v) for i, row in enumerate(vllm_logps) for t, v in enumerate(row)]
         return sum(diffs) / len(diffs)
