@@ -690,8 +690,8 @@ class LogprobModel(torch.nn.Module):
         """ids [B, L], right-padded; predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob
         of ids[row, position + 1] there and the entropy there, [N] each. micro_batch_tokens sets the head's chunks."""
         # No attention mask: every pad comes after every real token of its row, causal attention never looks ahead,
-        # and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). Without a mask SDPA can
-        # take its Flash kernel: the train phase at 8k-token rows took half the time.
+        # and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). So the pads' ids do not
+        # matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than the masked one.
         hidden_states = self.causal_lm.base_model(input_ids=ids).last_hidden_state  # [B, L, H]
         row_index, positions = predicting
         hidden = hidden_states[row_index, positions]  # [N, H]
