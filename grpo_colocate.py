@@ -185,7 +185,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         with timer("eval"):
             if eval_step:
                 metrics.update(evaluate(colo.llm, inputs, cfg, colo.tp_group, device))
-        # ---- 2. G completions for each of this rank's prompts, then vLLM frees its memory
+        # ---- 2. G completions for each of this rank's prompts (a whole number: check_options), then vLLM sleeps
         examples = prompts_for_step(inputs.source, step, cfg.completions_per_rank // G, world)
         prompts = [example["prompt"] for example in examples]
         prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
