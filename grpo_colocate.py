@@ -541,7 +541,8 @@ def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs,
 # ========================================================================================== rewards and advantages
 def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = "") -> torch.Tensor:
     """The weighted total reward [B]; each function's mean over its scored samples into stats. Each function is called
-    once per batch, as in TRL; None: cannot score (a sample none scores is NaN, left out by group_advantages)."""
+    once, as TRL calls it: completions (text, or an assistant message), prompts, completion_ids, every other column by
+    name. None means it cannot score (a sample that none scores is NaN, left out by group_advantages)."""
     completions = [
         t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
         for t, row in zip(r.texts, r.rows, strict=True)
