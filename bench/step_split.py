@@ -28,10 +28,16 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def split(rows: list[dict]) -> dict:
-    """The table's figures for one run's metrics lines (eval-only lines, without time/step, are skipped)."""
+def timed_steps(rows: list[dict]) -> list[dict]:
+    """The steps the medians run over: 1..N-1 (eval-only lines, without time/step, are skipped)."""
     steps = [r for r in rows if "time/step" in r]
-    timed = steps[1:] or steps  # a 1-step run has only its warm-up step
+    return steps[1:] or steps  # a 1-step run has only its warm-up step
+
+
+def split(rows: list[dict]) -> dict:
+    """The table's figures for one run's metrics lines."""
+    steps = [r for r in rows if "time/step" in r]
+    timed = timed_steps(rows)
 
     def med(f) -> float:
         return statistics.median(f(r) for r in timed)
@@ -100,7 +106,7 @@ def train_tflops(rows: list[dict], shape: dict, gradient_checkpointing: bool) ->
     """The train phase's achieved TFLOP/s: the median over steps 1..N-1 of F / time/train (see the docstring)."""
     k = 8 if gradient_checkpointing else 6
     rates = []
-    for r in [r for r in rows if "time/step" in r][1:]:
+    for r in timed_steps(rows):
         completion_tokens = r["completions/total_tokens"]
         completions = completion_tokens / r["completions/mean_length"]
         row_length = shape["prompt_tokens"] + r["completions/mean_length"]
