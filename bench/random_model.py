@@ -10,13 +10,15 @@ they cost at the users' scale; ids past the tokenizer's decode to nothing.
     python bench/random_model.py /tmp/random-7b 7b         # 6.9B params: 28 layers, hidden 3584, 28 / 4 heads
     python bench/random_model.py /tmp/tiny8 tiny8          # 13M params: 2 layers, hidden 256, 8 / 8 heads
                                                            # (bench/tp_sweep.py)
+    python bench/random_model.py /tmp/tiny-moe tiny-qwen3-moe  # Qwen3-MoE: 4 layers, 8 experts, top 2 (GPU only)
+    python bench/random_model.py /tmp/tiny-llama4 tiny-llama4  # Llama 4 text: 2 layers, 4 experts + a shared one
 """
 
 import os
 import sys
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import offline_model  # noqa: E402 (from the folder above, put on sys.path just above; the default model's tokenizer)
@@ -57,12 +59,20 @@ SHAPES = {  # Qwen2.5-1.5B / -3B / -7B layer shapes; the vocabulary is SmolLM2's
 }
 
 SHAPES["1.5b-qwen"] = {**SHAPES["1.5b"], "vocab_size": 151936}  # Qwen2.5's vocabulary (its qkv biases left out)
+TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+SHAPES["tiny-qwen3-moe"] = dict(  # other architectures: their model_type (the rest: llama)
+    model_type="qwen3_moe", num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, **TINY
+)
+SHAPES["tiny-qwen3-moe"] |= dict(intermediate_size=512, moe_intermediate_size=512)
+SHAPES["tiny-llama4"] = dict(model_type="llama4_text", num_hidden_layers=2, num_local_experts=4, **TINY)
+SHAPES["tiny-llama4"] |= dict(intermediate_size=512, intermediate_size_mlp=512)
 
 if __name__ == "__main__":
     out, size = sys.argv[1], sys.argv[2]
     tokenizer = AutoTokenizer.from_pretrained(offline_model.build())
-    shape = {"vocab_size": len(tokenizer), **SHAPES[size]}  # the shape's own vocabulary wins
-    cfg = LlamaConfig(
+    shape = {"vocab_size": len(tokenizer), "model_type": "llama", **SHAPES[size]}  # the shape's own values win
+    cfg = AutoConfig.for_model(
+        shape.pop("model_type"),
         max_position_embeddings=16384,  # prompt (<= 256) + completions of 8,192 tokens and more
         rope_theta=1e5,
         bos_token_id=tokenizer.bos_token_id,
@@ -71,7 +81,7 @@ if __name__ == "__main__":
     )
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     print(f"wrote {out}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters")
