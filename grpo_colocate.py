@@ -172,12 +172,13 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
     world = dist.get_world_size()
     G = cfg.num_generations
     sampling = sampling_params(G, cfg.temperature, cfg.max_completion_length)
+    evals = cfg.eval_steps > 0 and cfg.num_eval_prompts > 0
     for step in range(inputs.first_step, cfg.max_steps):
         if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
             return stop_and_save(colo, inputs, cfg, step)
         timer = PhaseTimer(sync=ON_GPU)
         step_start = time.perf_counter()
-        eval_step = evals_enabled(cfg) and step % cfg.eval_steps == 0
+        eval_step = evals and step % cfg.eval_steps == 0
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
         with timer("push"):  # waking vLLM included
             loaded = wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
@@ -227,7 +228,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step + 1)
-    if evals_enabled(cfg) and not stop_requested(device):  # the final eval; then vLLM sleeps for the final save
+    if evals and not stop_requested(device):  # the final eval; then vLLM sleeps for the final save
         wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
         run_log.log({"step": cfg.max_steps, **evaluate(colo.llm, inputs, cfg, colo.tp_group, device)})
         if colo.sleep_mode:
@@ -260,9 +261,8 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     dtype = torch.bfloat16 if ON_GPU else torch.float32  # float32 on CPU: the sync check is exact there
     if cfg.vllm_enable_sleep_mode and not ON_GPU:
         say("note: vLLM sleep mode is CUDA-only: on CPU the engine stays awake", rank0=True)
-    tp_group = None
-    if tp > 1:  # ours, for the prompt exchange only (vLLM makes its own, of the same contiguous ranks); all ranks join
-        tp_group, _ = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))
+    # ours, for the prompt exchange only (vLLM makes its own, of the same contiguous ranks); all ranks join
+    tp_group = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))[0] if tp > 1 else None
     if not ON_GPU:  # no JIT build (g++, ~50 s) of a shared-memory op that gloo does not use
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")  # joins our process group
@@ -297,10 +297,6 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     return colo
 
 
-def evals_enabled(cfg: Config) -> bool:
-    return cfg.eval_steps > 0 and cfg.num_eval_prompts > 0
-
-
 def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
     """Rewards of greedy completions of the eval set, split over the ranks, sent in batches the KV cache holds."""
     eval_rows = inputs.source.eval_rows
@@ -313,8 +309,7 @@ def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
     for i in range(rounds):
         chunk = rows[i * per_round : (i + 1) * per_round]
         ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.template_kwargs)
-        outputs = generate(llm, ids, greedy, tp_group)
-        r = collect_rollouts(chunk, ids, outputs, inputs.tokenizer)
+        r = collect_rollouts(chunk, ids, generate(llm, ids, greedy, tp_group), inputs.tokenizer)
         if r.texts:  # (a rank with no eval rows left scores nothing)
             score(r, inputs.reward_funcs, cfg.reward_weights, stats, prefix="eval/")
     return stats.reduce(device)
@@ -389,7 +384,6 @@ def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
 
 
 def sleep_vllm(llm) -> None:
-    """Every sleep after generating: sleep(level=2) with torch.cuda.empty_cache() a no-op meanwhile."""
     with mock.patch("torch.cuda.empty_cache"):  # (put back on exit, also when sleep raises)
         llm.sleep(level=2)
 
@@ -435,8 +429,7 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
             # ZeRO-3 keeps small parameters whole. Gathered again, they would be partitioned (freed) on exit.
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
-                for bucket_name, bucket_param in bucket:
-                    yield bucket_name, bucket_param.data
+                yield from ((bucket_name, bucket_param.data) for bucket_name, bucket_param in bucket)
             bucket = []
             bucket_size = 0
 
@@ -476,8 +469,7 @@ def check_push_loaded_everything(llm, loaded: set[str]) -> None:
     for name in loaded - engine_params:
         if len(one_module_short[name]) == 1:
             loaded = loaded | set(one_module_short[name])
-    unloaded = sorted(engine_params - loaded)
-    if unloaded:
+    if unloaded := sorted(engine_params - loaded):
         gap = f"{len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded: {', '.join(unloaded[:3])}"
         raise ConfigError(f"the weight push left {gap}")
 
@@ -504,8 +496,7 @@ def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | Non
     if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
         return []
     per_prompt = params
-    # Each training request carries its own seed, so that a resumed run samples the same. Without one, vLLM's GPU
-    # runner seeds the request from numpy's RNG, whose state a resumed run does not have.
+    # Seeds per training request for exact resumes: else vLLM's GPU runner uses numpy's RNG, whose state a resume lacks
     if seed is not None:
         per_prompt = [params.clone() for _ in group_prompts]
         for i, prompt_params in enumerate(per_prompt):
@@ -583,8 +574,7 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str) ->
     group mean, / (unbiased std + 1e-4) if scale is "group". A NaN (unscored) is left out and gets 0, as in TRL."""
     grouped = rewards.view(-1, num_generations)  # [B / G, G]
     count = (~grouped.isnan()).sum(dim=1, keepdim=True)  # [B / G, 1] the scored samples of each group
-    mean = grouped.nansum(dim=1, keepdim=True) / count  # [B / G, 1]
-    centered = grouped - mean  # [B / G, G], NaN where unscored
+    centered = grouped - grouped.nansum(dim=1, keepdim=True) / count  # [B / G, G]: minus the mean, NaN if unscored
     std = (centered.pow(2).nansum(dim=1) / (count.squeeze(1) - 1)).sqrt()  # [B / G]
     advantages = centered / (std.unsqueeze(1) + 1e-4) if scale == "group" else centered
     return advantages.view(-1).nan_to_num(0.0), std.nan_to_num(0.0)
@@ -605,8 +595,7 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
     micro_batch_tokens = micro_batch_size * cfg.max_completion_length  # (sets the head's chunks, alike on all ranks)
 
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
-        prompt_ids = r.prompt_ids[s]
-        return sequence_logprobs(model, prompt_ids, r.completions[s], cfg.temperature, device, micro_batch_tokens)
+        return sequence_logprobs(model, r.prompt_ids[s], r.completions[s], cfg.temperature, device, micro_batch_tokens)
 
     with torch.no_grad():  # [b, T] each: the policy that sampled, frozen before the first update; the reference
         old_logps = [logprobs(trainer, s)[0] if cfg.num_iterations > 1 else None for s in micro_batches]
@@ -794,17 +783,13 @@ def grpo_loss(
         kl = torch.exp(log_ratio) - log_ratio - 1
     per_token = (per_token + beta * kl) * mask
     if loss_type == "grpo":
-        sequence_means = per_token.sum(1) / mask.sum(1).clamp(min=1)  # [B]
-        loss = sequence_means.sum() / denominator
+        loss = (per_token.sum(1) / mask.sum(1).clamp(min=1)).sum() / denominator  # the sum of the sequences' means
     else:
         loss = per_token.sum() / denominator
-    clipped_low = (ratio < 1 - epsilon_low) & (adv < 0)  # the clip stopped a push down
-    clipped_high = (ratio > 1 + epsilon_high) & (adv > 0)  # the clip stopped a push up
-    return loss, {
-        "clip_ratio/low": (clipped_low * mask).sum(),
-        "clip_ratio/high": (clipped_high * mask).sum(),
-        "kl": (kl * mask).detach().sum(),
-    }
+    clipped_low = ((ratio < 1 - epsilon_low) & (adv < 0)) * mask  # the clip stopped a push down
+    clipped_high = ((ratio > 1 + epsilon_high) & (adv > 0)) * mask  # the clip stopped a push up
+    kl_sum = (kl * mask).detach().sum()
+    return loss, {"clip_ratio/low": clipped_low.sum(), "clip_ratio/high": clipped_high.sum(), "kl": kl_sum}
 
 
 def add_sync_check(stats: Stats, trainer_logp, vllm_logp, importance_weight, mask, entropy) -> None:
@@ -822,7 +807,7 @@ def add_sync_check(stats: Stats, trainer_logp, vllm_logp, importance_weight, mas
 def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
     """The DeepSpeed config (ds_zero3.json) with its "auto" values taken from the options."""
     adamw = ds.get("optimizer", {}).get("params", {})
-    filled = [
+    for section, key, value in [
         (ds, "train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
         (ds, "gradient_accumulation_steps", cfg.gradient_accumulation_steps),
         (ds, "train_batch_size", cfg.completions_per_rank * world_size),
@@ -830,8 +815,7 @@ def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
         (ds.get("bf16", {}), "enabled", bf16),
         (adamw, "lr", cfg.learning_rate),
         (adamw, "weight_decay", cfg.weight_decay),
-    ]
-    for section, key, value in filled:
+    ]:
         if section.get(key, "auto") == "auto":
             section[key] = value
     return ds
@@ -880,9 +864,8 @@ def load_training_state(trainer, checkpoint_dir: str, ds_config: dict) -> None:
     trainer.load_checkpoint(os.path.join(checkpoint_dir, "deepspeed"), tag="state")
     optimizer_params = ds_config.get("optimizer", {}).get("params", {})  # ("auto" values filled from the options)
     for group in trainer.optimizer.param_groups:
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if key in optimizer_params:
-                group[key] = tuple(optimizer_params[key]) if key == "betas" else optimizer_params[key]
+        for key in {"lr", "betas", "eps", "weight_decay"} & optimizer_params.keys():
+            group[key] = tuple(optimizer_params[key]) if key == "betas" else optimizer_params[key]
 
 
 # ============================================================================================================== data
@@ -905,17 +888,16 @@ def arithmetic_problem(rng: random.Random) -> dict:
     a = rng.randint(2, 20)
     b = rng.randint(2, 20)
     kind = rng.choice(["add", "sub", "two_step", "plain"])
+    how_many_now = f"How many {item} does {name} have now?"
     if kind == "add":
-        question = f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?"
+        question = f"{name} has {a} {item} and buys {b} more. {how_many_now}"
         answer = a + b
     elif kind == "sub":
         question = f"{name} has {max(a, b)} {item} and gives away {min(a, b)}. How many {item} are left?"
         answer = abs(a - b)
     elif kind == "two_step":
         c = rng.randint(1, a + b - 1)
-        question = (
-            f"{name} has {a} {item}, buys {b} more and then gives away {c}. How many {item} does {name} have now?"
-        )
+        question = f"{name} has {a} {item}, buys {b} more and then gives away {c}. {how_many_now}"
         answer = a + b - c
     else:
         op = rng.choice(["+", "-"])
@@ -1130,7 +1112,7 @@ def check_options(cfg: Config, world: int) -> None:
         template_kwargs = cfg.template_kwargs
     template_ok = isinstance(template_kwargs, dict)  # (not 5, nor null)
     template_own = ", ".join(sorted(set(template_kwargs) & CHAT_TEMPLATE_OWN)) if template_ok else ""
-    checks = [
+    for ok, message in [
         (not too_small, f"--{', --'.join(too_small)}: must be >= 1"),
         (not negative, f"--{', --'.join(negative)}: must be >= 0"),
         (tp_fits, f"--vllm_tensor_parallel_size {tp} must divide the {world} ranks and the {per_node} per node"),
@@ -1149,19 +1131,16 @@ def check_options(cfg: Config, world: int) -> None:
         (set(cfg.report_to) <= {"none", "wandb", "trackio"}, f"--report_to {cfg.report_to}: none, wandb or trackio"),
         (template_ok, f"--chat_template_kwargs {cfg.chat_template_kwargs}: must be a JSON object"),
         (not template_own, f"--chat_template_kwargs {template_own}: an apply_chat_template option"),
-    ]
-    for ok, message in checks:
+    ]:
         if not ok:
             raise ConfigError(message)
 
 
 def check_model(cfg: Config, model_config) -> None:
-    """Its heads split over the TP size, prompt + completion within its context and RoPE factors alike in vLLM, no
-    logit transform, experts only on a GPU, weights."""
+    """Heads split over TP, length within context, RoPE alike in vLLM, no logit transform, MoE only on GPU, weights."""
     tp = cfg.vllm_tensor_parallel_size
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    heads_split = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
     length = cfg.max_prompt_length + cfg.max_completion_length
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
     weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
@@ -1174,7 +1153,7 @@ def check_model(cfg: Config, model_config) -> None:
     original = (
         rope.get("original_max_position_embeddings", context) if rope.get("rope_type") == "longrope" else context
     )
-    if not heads_split:
+    if not (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
     if length > context:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: over the context, {context}")
@@ -1242,8 +1221,7 @@ def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
     else:  # (and its first training row: a model without a chat template fails here with --num_eval_prompts 0 too)
         batches = [[row["prompt"] for row in [*source.eval_rows, source[0]]]]
     lengths = sorted(len(ids) for batch in batches for ids in encode_prompts(tokenizer, batch, cfg.template_kwargs))
-    over = sum(n > cfg.max_prompt_length for n in lengths)
-    if over:
+    if over := sum(n > cfg.max_prompt_length for n in lengths):
         p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]
         raise ConfigError(
             f"--max_prompt_length {cfg.max_prompt_length}: {over} of {len(lengths)} prompts are longer once templated "
@@ -1298,10 +1276,8 @@ class PhaseTimer:
 
 def save_model(model, tokenizer, out_dir: str) -> None:
     """An HF folder that transformers and vLLM load (model: a LogprobModel); all ranks call it, rank 0 writes."""
-    state = {}
-    for name, tensor in gathered_params(model):  # every rank takes part in every gather
-        if RANK == 0:
-            state[name] = tensor.detach().to("cpu", copy=True)
+    # every rank takes part in every gather; rank 0 keeps the tensors
+    state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in gathered_params(model) if RANK == 0}
     if RANK == 0:
         model.causal_lm.save_pretrained(out_dir, state_dict=state)
         tokenizer.save_pretrained(out_dir)
@@ -1332,8 +1308,7 @@ def prune_checkpoints(output_dir: str, step: int, limit: int | None) -> None:
         if cut_short and int(cut_short.group(1)) <= step:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     if limit:
-        saved = [path for path in saved_checkpoints(output_dir) if checkpoint_step(path) <= step]
-        for path in saved[:-limit]:
+        for path in [path for path in saved_checkpoints(output_dir) if checkpoint_step(path) <= step][:-limit]:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -1387,8 +1362,7 @@ class Stats:
         """{name: value} over all ranks: one copy from the GPU, one all_gather_object, one combine."""
         numbers = [torch.as_tensor(n, dtype=torch.float64, device=device) for *_, v, c in self.records for n in (v, c)]
         pairs = torch.stack(numbers).view(-1, 2).tolist() if numbers else []  # [records, 2]: value, count
-        records = zip(self.records, pairs, strict=True)
-        mine = [(name, kind, value, count) for (name, kind, *_), (value, count) in records]
+        mine = [(name, kind, v, c) for (name, kind, *_), (v, c) in zip(self.records, pairs, strict=True)]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         combined = {}  # name -> [kind, value, count] (a name some ranks never record: over those that did)
@@ -1414,8 +1388,7 @@ def global_sum(value: float, device) -> float:
 
 def check_finite(value: float, what: str, device) -> None:
     """NonFiniteError on every rank if `value` is NaN/inf on any: ranks stop together, or the rest hang in ZeRO-3."""
-    bad = global_sum(float(not math.isfinite(value)), device)
-    if bad:
+    if bad := global_sum(float(not math.isfinite(value)), device):
         raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s); stopped before the update")
 
 
@@ -1503,7 +1476,6 @@ class RunLog:
             run.log({name: value for name, value in metrics.items() if name != "step"}, step=metrics["step"])
 
     def close(self, failed: bool = False) -> None:
-        """Each tracker's run ends; wandb marks a run that ended in an error as failed."""
         for name, run in self.trackers:
             marked = {"exit_code": 1} if failed and name == "wandb" else {}
             run.finish(**marked)
