@@ -31,10 +31,10 @@ def push_at_the_first_step_only(push):
 
 
 if __name__ == "__main__":
-    split = sys.argv.index("--") if "--" in sys.argv else len(sys.argv)
     g.REWARD_FUNCS["coin"] = coin_reward
-    options = ["--reward_funcs", "coin", "--reward_weights", "1", *sys.argv[split + 1 :]]
-    if "--stale" in sys.argv[1:split]:
+    ours = [arg for arg in sys.argv[1:] if arg not in ("--", "--stale")]  # (torchrun drops a "--" after the script)
+    options = ["--reward_funcs", "coin", "--reward_weights", "1", *ours]
+    if "--stale" in sys.argv[1:]:
         g.wake_and_push_weights = push_at_the_first_step_only(g.wake_and_push_weights)
         options += ["--vllm_enable_sleep_mode", "false"]
     g.main(options)
