@@ -269,18 +269,21 @@ def test_the_log_prob_pass_keeps_no_vocabulary_sized_tensor_for_backward(tmp_pat
 
 def test_the_logits_probe_refuses_a_model_whose_logits_are_more_than_its_lm_head(tmp_path):
     """ModernBERT's decoder computes its logits as decoder(lm_head(h)), and its output embeddings are `decoder` alone:
-    refused in one line (no config key shows it); a plain llama passes."""
+    refused in one line (no config key shows it); a plain llama passes, and one without its decoder is refused."""
     from transformers import ModernBertDecoderConfig, ModernBertDecoderForCausalLM
 
     tokens = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "cls_token_id": 1, "sep_token_id": 2}
-    config = ModernBertDecoderConfig(
-        vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, **tokens
-    )
+    config = ModernBertDecoderConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, **tokens)
     modernbert = g.LogprobModel(ModernBertDecoderForCausalLM(config))
     with pytest.raises(g.ConfigError, match=r"--model mb: its logits are not its LM head of its last hidden state \("):
         g.check_head_gives_logits(modernbert, "mb", "cpu")
-    llama = g.LogprobModel(AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path)))
-    g.check_head_gives_logits(llama, "tiny", "cpu")
+    llama = AutoModelForCausalLM.from_pretrained(tiny_llama_folder(tmp_path))
+    g.check_head_gives_logits(g.LogprobModel(llama), "tiny", "cpu")
+    del llama.model  # (its base_model is then the CausalLM itself)
+    with pytest.raises(
+        g.ConfigError, match=r"^LlamaForCausalLM: no decoder found \(neither its base_model nor .model\)$"
+    ):
+        g.LogprobModel(llama)
 
 
 def test_dropout_and_router_noise_are_off_in_every_config_inside():
@@ -578,11 +581,10 @@ def inputs_dir(tmp_path_factory):
     tiny_llama_folder(d / "sc", tokenizer=True, final_logit_softcapping=30.0)  # Gemma 2's
     longrope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}  # (head_dim 8)
     tiny_llama_folder(
-        d / "longrope", tokenizer=True, rope_parameters=longrope | {"original_max_position_embeddings": 256}
+        d / "longrope", tokenizer=True, rope_parameters={**longrope, "original_max_position_embeddings": 256}
     )
-    Qwen3MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4).save_pretrained(
-        d / "moe"
-    )
+    moe = Qwen3MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    moe.save_pretrained(d / "moe")
     smollm2_tokenizer().save_pretrained(d / "moe")  # (the config alone: the refusal comes before the weights' check)
     tiny_llama_folder(d / "no_weights", tokenizer=True)  # a download or a copy cut short
     os.remove(d / "no_weights" / "model.safetensors")
@@ -685,9 +687,8 @@ def test_good_input_loads(inputs_dir, monkeypatch):
     g.check_model(g.Config(model=model), LlamaConfig(final_logit_softcapping=None, lm_head_multiplier=1.0))
     g.check_model(g.Config(model=model), DogeConfig(is_moe=False))  # (dense, beside num_experts 16,384: no experts)
     longrope = {"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [4.0] * 64}  # (head_dim 128)
-    g.check_model(
-        g.Config(model=model), LlamaConfig(rope_parameters=longrope | {"original_max_position_embeddings": 384})
-    )
+    longrope["original_max_position_embeddings"] = 384  # (256 + 128: within it)
+    g.check_model(g.Config(model=model), LlamaConfig(rope_parameters=longrope))
     for name in g.LOGIT_TRANSFORMS:  # and any other value of each
         unsupported = f"its {name} changes the logits outside the LM head \\(unsupported\\)$"
         with pytest.raises(g.ConfigError, match=unsupported):
