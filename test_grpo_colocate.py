@@ -1057,7 +1057,7 @@ def test_weight_push_order(monkeypatch):
 def test_the_push_check_counts_a_name_vllm_reported_one_module_short():
     """vLLM 0.26's MoE layer reports `experts.w13_weight` for its parameter `experts.routed_experts.w13_weight`: such
     a name counts for the one parameter it is one module short of. A parameter that no reported name stands for still
-    stops the run with its name: the experts' w2 when only w13 came, the attention's when no name fits it."""
+    stops the run with its name: the experts' w2 when only w13 came, both when no reported name fits them."""
     experts = torch.nn.Module()
     experts.routed_experts = torch.nn.Module()
     experts.routed_experts.w13_weight = torch.nn.Parameter(torch.zeros(2))
