@@ -28,6 +28,7 @@ import argparse
 import gc
 import glob
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -155,6 +156,7 @@ LOGIT_TRANSFORMS += ["logits_soft_cap", "output_logit_soft_cap"]  # (RecurrentGe
 CHAT_TEMPLATE_OWN = {"tokenize", "return_dict", "add_generation_prompt", "continue_final_message", "chat_template"}
 CHAT_TEMPLATE_OWN |= {"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"}
 CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs", "conversation", "conversations"}  # (conversations: the renderer's own)
+PACKED_ATTENTION = "grpo_packed"  # packed_attention's name among transformers' attention functions
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -284,15 +286,21 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     ds_config = fill_ds_config(inputs.ds_config, cfg, world, bf16=ON_GPU)
     colo.trainer = build_trainer(cfg, cfg.model, ds_config, dtype)
     check_head_gives_logits(colo.trainer.module, cfg.model, device)
+    check_packing(colo.trainer.module, device)
     if cfg.beta != 0.0:
         colo.ref = build_trainer(cfg, cfg.model, ds_config, dtype, trainable=False)
+        colo.ref.module.use_packing(colo.trainer.module.packed)
     if inputs.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
         load_training_state(colo.trainer, inputs.resume_dir, ds_config)
         say(f"resumed from {inputs.resume_dir}: continuing at step {inputs.first_step}", rank0=True)
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
     G = cfg.num_generations
     shape = f"{cfg.completions_per_rank} completions/rank/step ({cfg.completions_per_rank // G} prompts x {G})"
-    say(f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {shape} | sleep mode {sleep_mode} | {dtype}", rank0=True)
+    passes = f"log-prob pass {'packed' if colo.trainer.module.packed else 'padded'}"
+    say(
+        f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {shape} | sleep mode {sleep_mode} | {dtype} | {passes}",
+        rank0=True,
+    )
     return colo
 
 
@@ -657,15 +665,27 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
         return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
 
     sequences = [p + c for p, c in zip(prompt_ids, completions, strict=True)]
-    width = max(len(s) for s in sequences)
-    ids = to_device(torch.tensor([s + [0] * (width - len(s)) for s in sequences]))  # [B, L], right-padded with 0s
-    # Position t predicts token t + 1: completion token t of row i is predicted at position len(prompt i) - 1 + t
+    # Position t predicts token t + 1: completion token t of sequence i is predicted at position len(prompt i) - 1 + t
     lengths = torch.tensor([len(c) for c in completions])  # [B]
     mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
     row_index, token_index = mask.nonzero(as_tuple=True)  # [N] each, row by row: token token_index of row row_index
-    positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N]
-    predicting = to_device(torch.stack([row_index, positions]))  # [2, N]: (row, position) of each token's prediction
-    logp, entropy = model(ids, predicting, temperature, micro_batch_tokens)  # [N] each
+    positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N], within each sequence
+    if model.packed:  # one row [1, S] of the sequences end to end (S: their total length), no pad
+        ids = torch.tensor([[token for s in sequences for token in s]])  # [1, S]
+        starts = torch.tensor([0, *itertools.accumulate(len(s) for s in sequences)])  # [B + 1]: where each begins
+        cu_seq_lens = starts.int()
+        longest = max(len(s) for s in sequences)
+        # the keywords transformers hands on to the attention function (packed_attention); positions count from 0 in
+        # each sequence, as they do in vLLM
+        layout = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest}
+        layout |= {"max_length_k": longest, "position_ids": torch.cat([torch.arange(len(s)) for s in sequences])[None]}
+        predicting = torch.stack([torch.zeros_like(row_index), starts[row_index] + positions])  # [2, N]
+    else:  # [B, L], right-padded with 0s
+        ids = torch.tensor([s + [0] * (max(len(s) for s in sequences) - len(s)) for s in sequences])
+        layout = {}
+        predicting = torch.stack([row_index, positions])  # [2, N]: (row, position) of each token's prediction
+    layout = {name: to_device(value) if torch.is_tensor(value) else value for name, value in layout.items()}
+    logp, entropy = model(to_device(ids), to_device(predicting), temperature, micro_batch_tokens, **layout)  # [N] each
     mask = to_device(mask)
     zeros = torch.zeros(mask.shape, device=device)
     return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each, row by row as N
@@ -680,7 +700,8 @@ class LogprobModel(torch.nn.Module):
     ZeRO-3's rule: every rank calls a partitioned module the same number of times, in the same order. Each call
     gathers the module's weights from every rank in a collective, and a rank that makes one call more waits forever.
     So the LM head runs in as many chunks on every rank (chunked_logprobs). The HF model's children keep their names:
-    the parameter names, the weight push and the checkpoints are the HF model's."""
+    the parameter names, the weight push and the checkpoints are the HF model's. `packed` (check_packing decides it,
+    at start-up): a micro-batch goes through the decoder as one row, through packed_attention; else padded."""
 
     def __init__(self, causal_lm):
         super().__init__()
@@ -692,19 +713,93 @@ class LogprobModel(torch.nn.Module):
         if not isinstance(backbone, torch.nn.Module):
             raise ConfigError(f"{type(causal_lm).__name__}: no decoder found (neither its base_model nor .model)")
         object.__setattr__(self, "backbone", backbone)
+        self.padded_attention = causal_lm.config._attn_implementation  # (sdpa, mostly)
+        self.packed = False
 
-    def forward(self, ids, predicting, temperature: float, micro_batch_tokens: int):
-        """ids [B, L], right-padded; predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob
-        of ids[row, position + 1] there and the entropy there, [N] each. micro_batch_tokens sets the head's chunks."""
-        # No attention mask: every pad comes after every real token of its row, causal attention never looks ahead,
-        # and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). So the pads' ids do not
-        # matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than the masked one.
-        hidden_states = self.backbone(input_ids=ids, return_dict=True).last_hidden_state  # [B, L, H]
+    def use_packing(self, packed: bool) -> None:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+        self.packed = packed
+        self.causal_lm.set_attn_implementation(PACKED_ATTENTION if packed else self.padded_attention)
+
+    def forward(self, ids, predicting, temperature: float, micro_batch_tokens: int, **layout):
+        """ids [B, L] (padded) or [1, S] (packed; layout: its position_ids, cu_seq_lens_* and max_length_*);
+        predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob of ids[row, position + 1]
+        there and the entropy there, [N] each. micro_batch_tokens sets the head's chunks."""
+        # Padded: no attention mask. Every pad comes after every real token of its row, causal attention never looks
+        # ahead, and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). So the pads' ids
+        # do not matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than a masked one.
+        hidden_states = self.backbone(input_ids=ids, use_cache=False, return_dict=True, **layout).last_hidden_state
         row_index, positions = predicting
         hidden = hidden_states[row_index, positions]  # [N, H]
         head = self.causal_lm.get_output_embeddings()
         num_chunks = math.ceil(micro_batch_tokens * head.out_features / LOGPROB_CHUNK)  # (alike on every rank)
         return chunked_logprobs(head, hidden, ids[row_index, positions + 1], temperature, num_chunks)
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sliding_window=None, **kwargs):
+    """transformers' attention function for a packed row: query [1, H, S, D], key and value [1, H_kv, S, D] -> the
+    attention output [1, S, H, D], each sequence (cu_seq_lens_q: where each begins) attending causally to itself
+    alone, to its last `sliding_window` tokens at most (HF's convention: the token itself included)."""
+    understood = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache"}
+    other = sorted(name for name, value in kwargs.items() if value is not None and name not in understood)
+    if attention_mask is not None or dropout or other:  # (sinks, a soft cap, ...: check_packing falls back to padded)
+        raise NotImplementedError(f"packed attention without {other or 'an attention mask and dropout'}")
+    starts = kwargs["cu_seq_lens_q"]  # [B + 1] int32
+    if not query.is_cuda:
+        return attention_apart_on_cpu(query, key, value, starts.tolist(), scaling, sliding_window), None
+    from torch.nn.attention.varlen import varlen_attn  # (FlashAttention's variable-length kernel, torch >= 2.10)
+
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, heads, D] each
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves H / H_kv query heads
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    window = (sliding_window - 1 if sliding_window else -1, 0)  # (left, right): causal, within the window
+    longest = kwargs["max_length_q"]
+    return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scaling, window_size=window)[None], None
+
+
+def attention_apart_on_cpu(query, key, value, starts: list[int], scaling: float, sliding_window: int | None):
+    """packed_attention on a CPU, which has no variable-length kernel: each sequence through SDPA on its own."""
+    outputs = []
+    for start, end in itertools.pairwise(starts):
+        i = torch.arange(end - start, device=query.device)
+        allowed = (i[None] <= i[:, None]) & (i[:, None] - i[None] < (sliding_window or len(i)))  # [n, n]
+        q, k, v = (x[:, :, start:end] for x in (query, key, value))
+        attention = torch.nn.functional.scaled_dot_product_attention
+        outputs.append(attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=True))  # [1, H, n, D]
+    return torch.cat(outputs, dim=2).transpose(1, 2)  # [1, S, H, D]
+
+
+def check_packing(model: LogprobModel, device) -> None:
+    """Packs the log-prob pass (model.use_packing) where a packed row gives a sequence what it gets alone: two rows of
+    7 and 4 tokens, on every rank alike (ZeRO-3's rule). The second's log-probs must not change with the first's
+    tokens (none where attention crosses sequences: ALiBi, a state-space layer) and must equal its padded pass's;
+    packed_attention raises on what it does not implement (sinks, a soft cap). Llama 4's chunked attention and
+    temperature tuning act past positions a short row reaches: their config keys keep it padded."""
+    config = model.causal_lm.config.get_text_config()
+    if getattr(config, "attention_chunk_size", None) or getattr(config, "attn_temperature_tuning", None):
+        model.use_packing(False)
+        return
+    vocab = model.causal_lm.get_output_embeddings().out_features
+    first, other_first, second = ([t % vocab for t in range(a, a + n)] for a, n in ((1, 7), (20, 7), (8, 4)))
+    second_logps = []  # the second row's 3 log-probs: padded; packed; packed behind another first row
+    model.eval()
+    for packed, first_row in ((False, first), (True, first), (True, other_first)):
+        model.use_packing(packed)
+        prompts, completions = [first_row[:1], second[:1]], [first_row[1:], second[1:]]
+        try:
+            with torch.no_grad():
+                logp, _ = sequence_logprobs(model, prompts, completions, 1.0, device, micro_batch_tokens=16)  # [2, 6]
+        except NotImplementedError:
+            logp = torch.full((2, 6), math.nan)
+        second_logps.append(logp[1, :3].float().cpu())
+    model.train()
+    padded, packed, behind_another = second_logps
+    close = 1e-5 if model.causal_lm.dtype == torch.float32 else 2e-2  # (float32 on CPU; bf16 kernels round apart)
+    model.use_packing(
+        torch.allclose(packed, behind_another, atol=close) and torch.allclose(packed, padded, atol=close)
+    )
 
 
 def check_head_gives_logits(model: LogprobModel, model_path: str, device) -> None:

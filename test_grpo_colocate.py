@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     DogeConfig,
@@ -226,25 +227,46 @@ def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, 
         experts = {"num_local_experts": 4, "intermediate_size_mlp": 64, "head_dim": 8}
         model = Llama4ForCausalLM(Llama4TextConfig(vocab_size=64, num_hidden_layers=2, **experts, **shape))
     prompts, comps = [[1, 2, 3], [4, 5], [9, 8, 7, 6]], [[6, 7], [8, 9, 10, 11], [12]]
-    head_rows = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_rows.append(out.shape[:-1].numel()))
-    logp, ent = g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 0.7, "cpu", micro_batch_tokens=8)
-    hook.remove()
-    # calls: ceil(micro_batch_tokens x V / LOGPROB_CHUNK); widest: ceil(7 / calls) positions
-    assert sum(head_rows) == 7 and len(head_rows) == calls and max(head_rows) == widest
-    assert logp.shape == ent.shape == (3, 4)
-    weights = torch.randn(logp.shape)
-    (logp * weights).sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
+    weights = torch.randn(3, 4)
     ref_logp, ref_ent = full_logits_logprobs(model, prompts, comps, 0.7)
     sum((lp * weights[i, : len(lp)]).sum() for i, lp in enumerate(ref_logp)).backward()
-    for i, c in enumerate(comps):
-        assert logp[i, : len(c)].tolist() == pytest.approx(ref_logp[i].tolist(), abs=1e-5)
-        assert ent[i, : len(c)].tolist() == pytest.approx(ref_ent[i].tolist(), abs=1e-5)
-        assert (logp[i, len(c) :] == 0).all() and (ent[i, len(c) :] == 0).all()
-    for name, p in model.named_parameters():
-        assert torch.allclose(grads[name], p.grad, atol=1e-5), name
+    ref_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    logprob_model = g.LogprobModel(model)
+    g.check_packing(logprob_model, "cpu")
+    assert logprob_model.packed == (arch != "llama4")  # (Llama 4's chunked attention: padded)
+    for packed in sorted({False, logprob_model.packed}):  # the padded pass, then the packed one
+        logprob_model.use_packing(packed)
+        model.zero_grad()
+        head_rows = []  # (the hook appends to this pass's list)
+        hook = model.lm_head.register_forward_hook(
+            lambda mod, args, out, rows=head_rows: rows.append(out.shape[:-1].numel())
+        )
+        logp, ent = g.sequence_logprobs(logprob_model, prompts, comps, 0.7, "cpu", micro_batch_tokens=8)
+        hook.remove()
+        # calls: ceil(micro_batch_tokens x V / LOGPROB_CHUNK); widest: ceil(7 / calls) positions
+        assert sum(head_rows) == 7 and len(head_rows) == calls and max(head_rows) == widest
+        assert logp.shape == ent.shape == (3, 4)
+        (logp * weights).sum().backward()
+        for i, c in enumerate(comps):
+            assert logp[i, : len(c)].tolist() == pytest.approx(ref_logp[i].tolist(), abs=1e-5)
+            assert ent[i, : len(c)].tolist() == pytest.approx(ref_ent[i].tolist(), abs=1e-5)
+            assert (logp[i, len(c) :] == 0).all() and (ent[i, len(c) :] == 0).all()
+        for name, p in model.named_parameters():
+            assert torch.allclose(ref_grads[name], p.grad, atol=1e-5), (name, packed)
+
+
+def test_packing_only_where_a_packed_row_gives_each_sequence_what_it_gets_alone():
+    """check_packing keeps the padded pass where attention would cross sequences in a packed row (Bloom's ALiBi,
+    Falcon-H1's state-space layers), where packed_attention lacks a feature (gpt-oss's sinks: it raises) and for Llama
+    4 (chunked attention, by its config keys); Qwen3 packs."""
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    experts = {"num_local_experts": 4, "head_dim": 8}
+    cases = [("qwen3", {}, True), ("bloom", {}, False), ("falcon_h1", {}, False), ("gpt_oss", experts, False)]
+    for model_type, extra, packs in [*cases, ("llama4_text", experts | {"intermediate_size_mlp": 64}, False)]:
+        config = AutoConfig.for_model(model_type, vocab_size=64, num_hidden_layers=2, **shape, **extra)
+        model = g.LogprobModel(AutoModelForCausalLM.from_config(config))
+        g.check_packing(model, "cpu")
+        assert model.packed == packs, model_type
 
 
 def test_the_log_prob_pass_keeps_no_vocabulary_sized_tensor_for_backward(tmp_path):
@@ -1181,7 +1203,10 @@ def zero3_worker(rank, world, model, out_dir):
         if last:
             ds["zero_optimization"].update(offload_optimizer={"device": "cpu"}, reduce_bucket_size=200)
         engine = g.build_trainer(cfg, model, ds, torch.float32)
-        g.check_head_gives_logits(engine.module, model, "cpu")  # (the probe under ZeRO-3: the gradients stay right)
+        g.check_head_gives_logits(engine.module, model, "cpu")  # (the probes under ZeRO-3: the gradients stay right)
+        g.check_packing(engine.module, "cpu")
+        assert engine.module.packed
+        engine.module.use_packing(persist is not None)  # the packed pass, but in the first case
         grads = {}
         norms = []
         ref = None
