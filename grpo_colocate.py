@@ -217,7 +217,9 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
             last = (saved_checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
         # ---- 5. the metrics of all ranks
-        add_rollout_stats(stats, rollouts, group_std, prompts)
+        add_rollout_stats(
+            stats, rollouts, group_std, prompts, cfg.per_device_train_batch_size, colo.trainer.module.packed
+        )
         metrics.update(stats.reduce(device))
         samples = world * cfg.completions_per_rank
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, samples, metrics))
@@ -1485,8 +1487,19 @@ def check_finite(value: float, what: str, device) -> None:
         raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s); stopped before the update")
 
 
-def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list) -> None:
-    """The step's completion lengths, group spread and data position (a hash of its prompts) into stats."""
+def add_rollout_stats(
+    stats: Stats, r: Rollouts, group_std, prompts: list, micro_batch_size: int, packed: bool
+) -> None:
+    """The step's completion lengths, group spread and data position (a hash of its prompts) into stats, and what a
+    pass of the decoder computes (bench/step_split.py's TFLOP/s): its tokens, pads included, and its rows' squared
+    lengths (causal attention's work), packed rows counting each sequence's."""
+    sequence_lengths = [len(p) + len(c) for p, c in zip(r.prompt_ids, r.completions, strict=True)]
+    for i in range(0, len(sequence_lengths), micro_batch_size):
+        rows = sequence_lengths[i : i + micro_batch_size]
+        if not packed:  # each row padded to the micro-batch's longest
+            rows = [max(rows)] * len(rows)
+        stats.sum("train/decoder_tokens", sum(rows))
+        stats.sum("train/decoder_tokens_squared", sum(n * n for n in rows))
     lengths = [len(c) for c in r.completions]
     stats.mean("completions/mean_length", sum(lengths), len(lengths))
     stats.max("completions/max_length", max(lengths))

@@ -818,7 +818,7 @@ def stats_worker(rank, world):
     r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], [{"prompt": "p"}] * 2, [True, False])
     stats = g.Stats()
     g.score(r, {"correctness": correctness}, [1.0], stats)
-    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"])
+    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"], micro_batch_size=2, packed=rank == 1)
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
     diffs = [[0.1, 0.1, 0.1], [0.1, 0.0, 0.0]] if rank == 0 else [[0.2, 0.1, 0.05], [0.05, 0.0, 0.0]]  # 0.4 a rank
     g.add_sync_check(stats, torch.zeros(2, 3), -torch.tensor(diffs), torch.ones(2, 3), mask, torch.ones(2, 3))
@@ -857,6 +857,8 @@ def test_metrics_of_all_ranks_a_nan_on_one_stops_every_rank_and_the_loss_denomin
         training = {"entropy": 1.0, "kl": 0.25, "clip_ratio/low": 0.125, "clip_ratio/high": 0.0}
         training |= {"loss": 0.5, "grad_norm": 1.0}
         others = {"completions/total_tokens": 8.0, "prompts/hash": 2.0 * zlib.crc32(b'["p"]'), "eval/reward": 1.5}
+        # sequences of 4 and 2 tokens: padded on rank 0 (2 rows of 4), packed on rank 1 (4 + 2)
+        others |= {"train/decoder_tokens": 8.0 + 6.0, "train/decoder_tokens_squared": 32.0 + 20.0}
         assert m == {**rewards, **lengths, **sync, **training, **others, "only_rank1_max": -2.0}
         assert out[2] is True and out[3] == {}
         sequences = [3, 2][rank]
