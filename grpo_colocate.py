@@ -672,13 +672,18 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
     mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
     row_index, token_index = mask.nonzero(as_tuple=True)  # [N] each, row by row: token token_index of row row_index
     positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N], within each sequence
-    if model.packed:  # one row [1, S] of the sequences end to end (S: their total length), no pad
+    # Packed (model.packed): padded rows [B, L] cost the longest sequence's work in every row, a 300-token sequence
+    # beside a 2,048-token one as much as the 2,048. So the B sequences go end to end into one row [1, S], S their
+    # total length, no pad. The decoder's layers work token by token, but for two things: positions (position_ids
+    # count from 0 in each sequence, as vLLM counts them) and attention, which must stay within each sequence. The
+    # attention function (packed_attention) gets cu_seq_lens, the cumulative lengths [0, n1, n1 + n2, ..., S], and
+    # lets each token attend to the earlier tokens between its sequence's two bounds alone.
+    if model.packed:
         ids = torch.tensor([[token for s in sequences for token in s]])  # [1, S]
         starts = torch.tensor([0, *itertools.accumulate(len(s) for s in sequences)])  # [B + 1]: where each begins
         cu_seq_lens = starts.int()
         longest = max(len(s) for s in sequences)
-        # the keywords transformers hands on to the attention function (packed_attention); positions count from 0 in
-        # each sequence, as they do in vLLM
+        # the keywords transformers hands on to the attention function
         layout = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest}
         layout |= {"max_length_k": longest, "position_ids": torch.cat([torch.arange(len(s)) for s in sequences])[None]}
         predicting = torch.stack([torch.zeros_like(row_index), starts[row_index] + positions])  # [2, N]

@@ -257,11 +257,13 @@ def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, 
 
 def test_packing_only_where_a_packed_row_gives_each_sequence_what_it_gets_alone():
     """check_packing keeps the padded pass where attention would cross sequences in a packed row (Bloom's ALiBi,
-    Falcon-H1's state-space layers), where packed_attention lacks a feature (gpt-oss's sinks: it raises) and for Llama
-    4 (chunked attention, by its config keys); Qwen3 packs."""
+    Falcon-H1's state-space and Qwen3.5's linear-attention layers), where packed_attention lacks a feature (gpt-oss's
+    sinks, Gemma 2's soft cap: it raises) and for Llama 4 (chunked attention, by its config keys); Qwen3 packs."""
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
     experts = {"num_local_experts": 4, "head_dim": 8}
     cases = [("qwen3", {}, True), ("bloom", {}, False), ("falcon_h1", {}, False), ("gpt_oss", experts, False)]
+    linear = {"head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+    cases += [("gemma2", {"head_dim": 8}, False), ("qwen3_5_text", linear, False)]
     for model_type, extra, packs in [*cases, ("llama4_text", experts | {"intermediate_size_mlp": 64}, False)]:
         config = AutoConfig.for_model(model_type, vocab_size=64, num_hidden_layers=2, **shape, **extra)
         model = g.LogprobModel(AutoModelForCausalLM.from_config(config))
