@@ -1,9 +1,9 @@
 """GRPO with a co-located vLLM engine, in one file.
 
-GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them,
-and give every token of a completion its reward relative to its group as the advantage. Generation is most of the
-cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-process vLLM engine
-(distributed_executor_backend="external_launcher") on the GPU of its DeepSpeed ZeRO-3 trainer; the two take turns.
+GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them, and
+give every token of a completion its reward relative to its group as the advantage. Generation is most of the cost.
+Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-process vLLM engine (external_launcher) on the
+GPU of its DeepSpeed ZeRO-3 trainer; the two take turns. Deviations from the paper and TRL 1.16: README.md.
 
 Reading index. `setup` makes the tensor-parallel (TP) groups (`tp_group_layout`), this rank's engine (`build_vllm`),
 puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). One step of `train`:
@@ -14,9 +14,8 @@ puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). On
      `loss_settings`), backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`):
      the trainer's log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights show.
 The mechanisms follow `train` in that order, then the data and rewards, then the plumbing: the input checks
-(`load_inputs`), checkpoints, signals, and `Stats` (one step's metrics, combined over the ranks). Deviations from the
-paper and from TRL 1.16: README.md, "Deviations from TRL". Launch (`bash run.sh` does it; --save_steps 50, and
---resume latest after a stop or a crash; SIGTERM or SIGINT stops at the next safe point with a checkpoint, exit 0):
+(`load_inputs`), checkpoints, signals, `Stats` (one step's metrics over the ranks). Launch (`bash run.sh` does it;
+--save_steps 50, --resume latest after a stop or crash; SIGTERM/SIGINT: stop and save at the next safe point, exit 0):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
