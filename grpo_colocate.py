@@ -78,10 +78,7 @@ STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop
 
 # ============================================================================================================ config
 @dataclass
-class Config:
-    """Every option of the script (`--help` lists them). Names follow TRL's GRPOConfig where they mean the same."""
-
-    # --- model and data
+class Config:  # every option of the script (--help lists them); names follow TRL's GRPOConfig where they mean the same
     model: str = HfArg(default="HuggingFaceTB/SmolLM2-135M-Instruct", help="HF model folder or hub id")
     dataset_name: str = HfArg(default="arithmetic", help="arithmetic, a hub id, a json(l)/parquet/csv file or folder")
     dataset_config: str | None = HfArg(default=None, help="the dataset's configuration (load_dataset's name)")
@@ -102,7 +99,6 @@ class Config:
     learning_rate: float = HfArg(default=1e-5, help="AdamW learning rate")
     weight_decay: float = HfArg(default=0.0, help="AdamW weight decay")
     max_grad_norm: float = HfArg(default=1.0, help="gradient clipping")
-    # --- the loss
     beta: float = HfArg(default=0.0, help="KL coefficient to a frozen reference model (k3); 0 = no reference model")
     epsilon: float = HfArg(default=0.2, help="lower clip range: ratio >= 1 - epsilon")
     epsilon_high: float | None = HfArg(default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
@@ -113,12 +109,10 @@ class Config:
     reward_weights: list[float] | None = HfArg(default=None, help="one per reward function (default 1, format 0.5)")
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
-    # --- vLLM
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
     vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts if this share is free (a check only)")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory while training (CUDA only)")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
-    # --- DeepSpeed, output, checkpoints
     deepspeed_config: str = HfArg(default=DS_ZERO3, help='the DeepSpeed config; "auto" values from the options')
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass")
     output_dir: str = HfArg(default="runs/grpo", help="metrics, checkpoints, the final model (shared by all nodes)")
@@ -157,7 +151,6 @@ CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs", "conversation", "conversations"}  # (c
 PACKED_ATTENTION = "grpo_packed"  # packed_attention's name among transformers' attention functions
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
-# (metric, format) of the line printed per step
 LOG_LINE = [("reward", "reward {:.3f}"), ("rewards/correctness", "acc {:.3f}"), ("rewards/format", "fmt {:.3f}")]
 LOG_LINE += [("frac_reward_zero_std", "zero_std {:.2f}"), ("completions/mean_length", "len {:.0f}")]
 LOG_LINE += [("sampling/logp_diff_mean", "logp_diff {:.4f}"), ("sampling/logp_diff_max", "max {:.4f}")]
@@ -221,7 +214,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         except NonFiniteError as e:
             last = (saved_checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
-        # ---- 5. the metrics of all ranks
+        # ---- 5. the metrics of all ranks, then a checkpoint when due
         add_rollout_stats(stats, rollouts, group_std, prompts)
         metrics.update(stats.reduce(device))
         samples = world * cfg.completions_per_rank
@@ -231,7 +224,6 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         if ON_GPU:  # this process's peak so far: the trainer's memory and vLLM's pool
             metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         run_log.log(metrics)
-        # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step + 1)
     if evals and not stop_requested(device):  # the final eval; then vLLM sleeps for the final save
@@ -244,9 +236,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
 
 
 @dataclass
-class Colocation:
-    """What `setup` builds: the engine and the trainer that take turns on this rank's GPU."""
-
+class Colocation:  # what `setup` builds: the engine and the trainer that take turns on this rank's GPU
     llm: object  # this rank's vLLM engine: asleep between steps in sleep mode
     trainer: object  # the policy's DeepSpeed ZeRO-3 engine (its LogprobModel: trainer.module)
     ref: object | None  # the frozen reference (beta > 0)
@@ -519,9 +509,7 @@ def exchange_prompts(prompt_ids: list[list[int]], tp_group) -> tuple[list[list[i
 
 
 @dataclass
-class Rollouts:
-    """This rank's samples of a step: completion k of prompt i is entry i * G + k (group_advantages' view(-1, G))."""
-
+class Rollouts:  # a step's samples on this rank: completion k of prompt i at i * G + k (group_advantages' view(-1, G))
     prompt_ids: list[list[int]]  # the prompt's token ids
     completions: list[list[int]]  # the sampled token ids, EOS included
     vllm_logps: list[list[float]]  # vLLM's log-prob of each sampled token
@@ -960,12 +948,10 @@ def load_training_state(trainer, checkpoint_dir: str, ds_config: dict) -> None:
 # ============================================================================================================== data
 SYSTEM_PROMPT = "Answer math questions. Always end with the final number inside <answer></answer>."
 # Two worked examples as chat turns: told only, a 135M model never writes <answer> tags; shown, half its samples do.
-FEW_SHOT = [
-    {"role": "user", "content": "What is 3 + 4?"},
-    {"role": "assistant", "content": "3 + 4 = 7. <answer>7</answer>"},
-    {"role": "user", "content": "Tom has 9 coins and gives away 4. How many coins are left?"},
-    {"role": "assistant", "content": "9 - 4 = 5. <answer>5</answer>"},
-]
+FEW_SHOT = [{"role": "user", "content": "What is 3 + 4?"}]
+FEW_SHOT += [{"role": "assistant", "content": "3 + 4 = 7. <answer>7</answer>"}]
+FEW_SHOT += [{"role": "user", "content": "Tom has 9 coins and gives away 4. How many coins are left?"}]
+FEW_SHOT += [{"role": "assistant", "content": "9 - 4 = 5. <answer>5</answer>"}]
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo"]
 ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -999,9 +985,7 @@ def arithmetic_problem(rng: random.Random) -> dict:
     return {"prompt": messages, "answer": str(answer)}
 
 
-class ArithmeticTask:
-    """The built-in task: row i is drawn from (seed, i), the same on every rank and run, never a held-out eval row."""
-
+class ArithmeticTask:  # the built-in task: row i drawn from (seed, i), alike on every rank and run, never an eval row
     def __init__(self, seed: int, num_eval_prompts: int):
         self.seed = seed
         self.eval_rows = [arithmetic_problem(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
@@ -1014,9 +998,7 @@ class ArithmeticTask:
                 return row
 
 
-class DatasetRows:
-    """A `datasets` Dataset's rows: the first num_eval_prompts are the eval set; the rest, a new order each epoch."""
-
+class DatasetRows:  # a Dataset's rows: the first num_eval_prompts are the eval set; the rest, a new order each epoch
     def __init__(self, dataset, seed: int, num_eval_prompts: int):
         self.dataset = dataset
         self.seed = seed
@@ -1328,9 +1310,7 @@ def loading(option: str, value):
         raise ConfigError(f"--{option} {value}: {type(e).__name__}: {first_line}") from None
 
 
-class PhaseTimer:
-    """`with timer("generate"):` adds the seconds to timer.t["generate"] (on GPU, synchronized at both ends)."""
-
+class PhaseTimer:  # `with timer("generate"):` adds its seconds to timer.t["generate"] (on GPU: synchronized both ends)
     def __init__(self, sync: bool = False):
         self.sync = sync
         self.t = defaultdict(float)
@@ -1491,9 +1471,7 @@ def print_samples(r: Rollouts, rewards, advantages, n: int) -> None:
         say(f"  reward {rewards[i]:.2f} | advantage {advantages[i]:+.2f} | {question[-150:]} -> {reply[:300]}")
 
 
-class RunLog:
-    """Rank 0's record: a line per step, output_dir/metrics.jsonl and a run per tracker (wandb, trackio: one API)."""
-
+class RunLog:  # rank 0's record: a line per step, output_dir/metrics.jsonl, a run per tracker (wandb, trackio: 1 API)
     def __init__(self, cfg: Config, first_step: int):
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.trackers = []  # (name, its run)
