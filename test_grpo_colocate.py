@@ -820,7 +820,7 @@ def stats_worker(rank, world):
     r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], [{"prompt": "p"}] * 2, [True, False])
     stats = g.Stats()
     g.score(r, {"correctness": correctness}, [1.0], stats)
-    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"], micro_batch_size=2, packed=rank == 1)
+    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"], 2, mock.Mock(packed=rank == 1))
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
     diffs = [[0.1, 0.1, 0.1], [0.1, 0.0, 0.0]] if rank == 0 else [[0.2, 0.1, 0.05], [0.05, 0.0, 0.0]]  # 0.4 a rank
     g.add_sync_check(stats, torch.zeros(2, 3), -torch.tensor(diffs), torch.ones(2, 3), mask, torch.ones(2, 3))
