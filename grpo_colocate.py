@@ -657,7 +657,6 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
         starts = torch.tensor([0, *itertools.accumulate(len(s) for s in sequences)])  # [B + 1]: where each begins
         cu_seq_lens = starts.int()
         longest = max(len(s) for s in sequences)
-        # the keywords transformers hands on to the attention function
         layout = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest}
         layout |= {"max_length_k": longest, "position_ids": torch.cat([torch.arange(len(s)) for s in sequences])[None]}
         predicting = torch.stack([torch.zeros_like(row_index), starts[row_index] + positions])  # [2, N]
@@ -681,8 +680,7 @@ class LogprobModel(torch.nn.Module):
     calls a partitioned module as many times, in the same order (each call gathers its weights in a collective; a rank
     making one call more waits forever), so the LM head runs in as many chunks on every rank (chunked_logprobs). The HF
     model's children keep their names: the parameter names, weight push and checkpoints are the HF model's. `packed`
-    (check_packing decides it, at start-up): a micro-batch goes through the decoder as one row (packed_attention), else
-    padded."""
+    (check_packing decides it, at start-up): a micro-batch goes through the decoder as one row, else padded."""
 
     def __init__(self, causal_lm):
         super().__init__()
@@ -730,12 +728,14 @@ def packed_attention(module, query, key, value, attention_mask, scaling, dropout
     starts = kwargs["cu_seq_lens_q"]  # [B + 1] int32
     if not query.is_cuda:
         return attention_apart_on_cpu(query, key, value, starts.tolist(), scaling, sliding_window), None
-    from torch.nn.attention.varlen import varlen_attn  # (FlashAttention's variable-length kernel, torch >= 2.10)
+    # varlen_attn (torch >= 2.10; 2.13 names its keywords otherwise): FlashAttention's variable-length kernel. It takes
+    # every sequence's tokens as one [S, heads, D] and the bounds, and computes no pair across sequences, no mask.
+    from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, heads, D] each
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves H / H_kv query heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    window = (sliding_window - 1 if sliding_window else -1, 0)  # (left, right): causal, within the window
+    window = (sliding_window - 1 if sliding_window else -1, 0)  # (left, right) of each query; -1: all, 0: causal
     longest = kwargs["max_length_q"]
     return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scaling, window_size=window)[None], None
 
