@@ -242,7 +242,7 @@ class Colocation:  # what `setup` builds: the engine and the trainer that take t
 
 def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (resumed) and the reference."""
-    import deepspeed.ops  # (and deepspeed)
+    import deepspeed.ops  # (binds `deepspeed` too)
 
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
@@ -647,11 +647,10 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
     row_index, token_index = mask.nonzero(as_tuple=True)  # [N] each, row by row: token token_index of row row_index
     positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N], within each sequence
     # Packed (model.packed): padded rows [B, L] cost the longest sequence's work in every row, a 300-token sequence
-    # beside a 2,048-token one as much as the 2,048. So the B sequences go end to end into one row [1, S], S their
-    # total length, no pad. The decoder's layers work token by token, but for two things: positions (position_ids
-    # count from 0 in each sequence, as vLLM counts them) and attention, which must stay within each sequence. The
-    # attention function (packed_attention) gets cu_seq_lens, the cumulative lengths [0, n1, n1 + n2, ..., S], and
-    # lets each token attend to the earlier tokens between its sequence's two bounds alone.
+    # beside a 2,048-token one as much as the 2,048. So the B sequences go end to end into one row [1, S], no pad.
+    # A transformer's layers work token by token but for positions (position_ids count from 0 in each sequence, as
+    # vLLM counts them) and attention (packed_attention: cu_seq_lens, the cumulative lengths [0, n1, n1 + n2, ..., S],
+    # keep each token to its own sequence). A layer that mixes tokens otherwise keeps the model padded (check_packing).
     if model.packed:
         ids = torch.tensor([[token for s in sequences for token in s]])  # [1, S]
         starts = torch.tensor([0, *itertools.accumulate(len(s) for s in sequences)])  # [B + 1]: where each begins
@@ -707,8 +706,8 @@ class LogprobModel(torch.nn.Module):
         predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob of ids[row, position + 1]
         there and the entropy there, [N] each. micro_batch_tokens sets the head's chunks."""
         # Padded: no attention mask. Every pad comes after every real token of its row, causal attention never looks
-        # ahead, and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). So the pads' ids
-        # do not matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than a masked one.
+        # ahead, the model counts positions 0..L-1 itself (a sliding window keeps its mask): the pads' ids do not
+        # matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than a masked one.
         hidden_states = self.backbone(input_ids=ids, use_cache=False, return_dict=True, **layout).last_hidden_state
         row_index, positions = predicting
         hidden = hidden_states[row_index, positions]  # [N, H]
@@ -719,23 +718,24 @@ class LogprobModel(torch.nn.Module):
 
 def packed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sliding_window=None, **kwargs):
     """transformers' attention function for a packed row: query [1, H, S, D], key and value [1, H_kv, S, D] -> the
-    attention output [1, S, H, D], each sequence (cu_seq_lens_q: where each begins) attending causally to itself
-    alone, to its last `sliding_window` tokens at most (HF's convention: the token itself included)."""
+    attention output [1, S, H, D]. cu_seq_lens_q [B + 1] holds where each sequence begins, then S; each token attends
+    to the earlier tokens of its own sequence, its last `sliding_window` at most (HF counts the token itself). Keys
+    have the queries' bounds in one packed row; max_length_q (the longest sequence) sizes the kernel's grid."""
     understood = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache"}
     other = sorted(name for name, value in kwargs.items() if value is not None and name not in understood)
     if attention_mask is not None or dropout or other:  # (sinks, a soft cap, ...: check_packing falls back to padded)
-        raise NotImplementedError(f"packed attention without {other or 'an attention mask and dropout'}")
+        raise NotImplementedError(f"packed attention does not support {other or 'an attention mask or dropout'}")
     starts = kwargs["cu_seq_lens_q"]  # [B + 1] int32
     if not query.is_cuda:
         return attention_apart_on_cpu(query, key, value, starts.tolist(), scaling, sliding_window), None
-    # varlen_attn (torch >= 2.10; 2.13 names its keywords otherwise): FlashAttention's variable-length kernel. It takes
-    # every sequence's tokens as one [S, heads, D] and the bounds, and computes no pair across sequences, no mask.
+    # varlen_attn (torch >= 2.10): FlashAttention's variable-length kernel. It takes every sequence's tokens as one
+    # [S, heads, D] and the bounds, and computes no pair across sequences, no mask. (torch 2.11's has no enable_gqa.)
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, heads, D] each
     if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves H / H_kv query heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    window = (sliding_window - 1 if sliding_window else -1, 0)  # (left, right) of each query; -1: all, 0: causal
+    window = (sliding_window - 1 if sliding_window else -1, 0)  # (earlier, later) tokens a query sees; -1: all
     longest = kwargs["max_length_q"]
     return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scaling, window_size=window)[None], None
 
@@ -754,16 +754,23 @@ def attention_apart_on_cpu(query, key, value, starts: list[int], scaling: float,
 
 def check_packing(model: LogprobModel, device) -> None:
     """Packs the log-prob pass (model.use_packing) where a packed row gives a sequence what it gets alone: two rows of
-    7 and 4 tokens, on every rank alike (ZeRO-3's rule). The second's log-probs must not change with the first's
-    tokens (none where attention crosses sequences: ALiBi, a state-space layer) and must equal its padded pass's;
-    packed_attention raises on what it does not implement (sinks, a soft cap). Llama 4's chunked attention and
-    temperature tuning act past positions a short row reaches: their config keys keep it padded."""
+    7 and 4 tokens, on every rank alike (ZeRO-3's rule). The second's log-probs must equal its padded pass's, behind
+    either first row (ALiBi or a state-space layer crosses sequences); packed_attention raises on what it lacks (sinks,
+    a soft cap). A sliding window is 2 tokens for the probe, in the config (the padded mask reads it) and the modules
+    (which hand it on): a window kept in the mask alone stays padded. Llama 4's chunked attention and temperature
+    tuning act past positions a short row reaches: their config keys keep it padded."""
     config = model.causal_lm.config.get_text_config()
     if getattr(config, "attention_chunk_size", None) or getattr(config, "attn_temperature_tuning", None):
         model.use_packing(False)
         return
+    window = getattr(config, "sliding_window", None)
+    narrowed = [m for m in [config, *model.modules()] if window and getattr(m, "sliding_window", None) == window]
+    for holder in narrowed:
+        holder.sliding_window = 2
     vocab = model.causal_lm.get_output_embeddings().out_features
-    first, other_first, second = ([t % vocab for t in range(a, a + n)] for a, n in ((1, 7), (20, 7), (8, 4)))
+    first = [t % vocab for t in range(1, 8)]  # 7 tokens
+    other_first = [t % vocab for t in range(20, 27)]
+    second = [t % vocab for t in range(8, 12)]  # 4 tokens
     second_logps = []  # the second row's 3 log-probs: padded; packed; packed behind another first row
     model.eval()
     for packed, first_row in ((False, first), (True, first), (True, other_first)):
@@ -772,10 +779,12 @@ def check_packing(model: LogprobModel, device) -> None:
         try:
             with torch.no_grad():
                 logp, _ = sequence_logprobs(model, prompts, completions, 1.0, device, micro_batch_tokens=16)  # [2, 6]
-        except NotImplementedError:
+        except (NotImplementedError, RuntimeError):  # (RuntimeError: a kernel that refuses the shapes)
             logp = torch.full((2, 6), math.nan)
         second_logps.append(logp[1, :3].float().cpu())
     model.train()
+    for holder in narrowed:
+        holder.sliding_window = window
     padded, packed, behind_another = second_logps
     close = 1e-5 if model.causal_lm.dtype == torch.float32 else 2e-2  # (float32 on CPU; bf16 kernels round apart)
     model.use_packing(
@@ -1147,8 +1156,8 @@ def load_inputs(cfg: Config, world: int) -> Inputs:
     source = prompt_source(cfg)
     with loading("model", cfg.model):  # a model without a chat template, or one that refuses the data's prompts
         check_prompt_lengths(tokenizer, source, cfg)
-    resume = find_checkpoint(cfg, world) if cfg.resume else (None, 0)  # (the checkpoint's folder, the first step)
-    return Inputs(source, reward_funcs, tokenizer, ds_config, *resume)
+    resume_dir, first_step = find_checkpoint(cfg, world) if cfg.resume else (None, 0)
+    return Inputs(source, reward_funcs, tokenizer, ds_config, resume_dir, first_step)
 
 
 def check_options(cfg: Config, world: int) -> None:

@@ -117,8 +117,8 @@ def smollm2_tokenizer():
 # ------------------------------------------------------------------------------------------ GRPO math
 def test_group_advantages_by_hand_leaving_out_unscorable_samples():
     """(r - group mean) / (group std + 1e-4), or unscaled; a sample no reward function could score (NaN) takes no part
-    in its group's mean and std and gets advantage 0 (a 0 would push the model away from what the reward code merely
-    failed to parse)."""
+    in its group's mean and std and gets advantage 0 (a 0 would push the model away from what the reward failed to
+    parse)."""
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     adv, std = g.group_advantages(r, 4, "group")
     s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
@@ -257,17 +257,21 @@ def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, 
 
 def test_packing_only_where_a_packed_row_gives_each_sequence_what_it_gets_alone():
     """check_packing keeps the padded pass where attention would cross sequences in a packed row (Bloom's ALiBi,
-    Falcon-H1's state-space and Qwen3.5's linear-attention layers), where packed_attention lacks a feature (gpt-oss's
-    sinks, Gemma 2's soft cap: it raises) and for Llama 4 (chunked attention, by its config keys); Qwen3 packs."""
+    Falcon-H1's state-space and Qwen3.5's linear-attention layers), where packed_attention lacks a feature
+    (gpt-oss's sinks, Gemma 2's soft cap: it raises), where a window wider than the probe lives in the mask alone
+    (Qwen2-MoE) and for Llama 4 (config keys). Qwen3, GPT-2 (learned positions) and Mistral (window 64) pack."""
     shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
     experts = {"num_local_experts": 4, "head_dim": 8}
     cases = [("qwen3", {}, True), ("bloom", {}, False), ("falcon_h1", {}, False), ("gpt_oss", experts, False)]
     linear = {"head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
-    cases += [("gemma2", {"head_dim": 8}, False), ("qwen3_5_text", linear, False)]
+    cases += [("gemma2", {"head_dim": 8}, False), ("qwen3_5_text", linear, False), ("gpt2", {}, True)]
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    windowed = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, **moe}
+    cases += [("qwen2_moe", windowed, False), ("qwen2_moe", moe, True), ("mistral", {"sliding_window": 64}, True)]
     for model_type, extra, packs in [*cases, ("llama4_text", experts | {"intermediate_size_mlp": 64}, False)]:
         config = AutoConfig.for_model(model_type, vocab_size=64, num_hidden_layers=2, **shape, **extra)
         model = g.LogprobModel(AutoModelForCausalLM.from_config(config))
-        g.check_packing(model, "cpu")
+        g.check_packing(model, "cpu")  # (and Mistral's narrowed window restored: the log-prob test above)
         assert model.packed == packs, model_type
 
 
@@ -397,8 +401,7 @@ def test_each_rank_and_step_draws_its_own_prompts_reproducibly(monkeypatch):
 
 
 def write_dataset(path, rows):
-    """rows written by `datasets` itself: .parquet / .jsonl / .csv by extension, else a save_to_disk folder with one
-    train split."""
+    """rows written by `datasets` itself: .parquet / .jsonl / .csv by extension, else a save_to_disk folder (train)."""
     dataset = datasets.Dataset.from_list(rows)
     writers = {".parquet": dataset.to_parquet, ".jsonl": dataset.to_json, ".csv": dataset.to_csv}
     suffix = os.path.splitext(str(path))[1]
@@ -701,8 +704,7 @@ def test_bad_input_is_one_line_that_names_the_option(inputs_dir, monkeypatch, ro
 
 def test_good_input_loads(inputs_dir, monkeypatch):
     """The defaults with the tiny llama; TP 2 on 4 ranks of 2 nodes; SmolLM2's shape at TP 3, neutral logit values;
-    a run of output_dir's own continued. Importing the script imports no tracker (nor datasets): RunLog does, on rank
-    0, when asked."""
+    a run of output_dir's own continued. Importing the script imports no tracker (nor datasets): RunLog does."""
     model = str(inputs_dir / "model")
     out = str(inputs_dir / "out")
     smollm2 = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, max_position_embeddings=2048)
@@ -1122,8 +1124,7 @@ def test_the_two_sleeps_level_2_the_first_measures_the_rest_keep_torch_cache(mon
 def test_rollouts_from_flat_outputs_and_one_batch_decode():
     """The engine returns token ids and flat log-prob lists, no text (sampling_params); collect_rollouts gives one row
     per completion in order (completion k of prompt i is row i*G + k), each with its own log-probs, the prompt's
-    answer, whether it hit max_tokens, and its text decoded as vLLM's detokenizer writes it (special tokens
-    skipped)."""
+    answer, whether it hit max_tokens, and its text decoded as vLLM's detokenizer writes it (no special tokens)."""
     from vllm.logprobs import FlatLogprobs
 
     params = g.sampling_params(2, 0.7, 9)
