@@ -261,9 +261,8 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     options = {"enable_sleep_mode": sleep_mode, "enforce_eager": cfg.vllm_enforce_eager or not ON_GPU}
     if ON_GPU:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-    max_num_seqs = cfg.completions_per_rank * tp  # the TP group's samples of one step, decoded together
     max_model_len = cfg.max_prompt_length + cfg.max_completion_length
-    llm = build_vllm(cfg.model, tp, cfg.seed, max_num_seqs, max_model_len, dtype, **options)
+    llm = build_vllm(cfg.model, tp, cfg.seed, cfg.completions_per_rank * tp, max_model_len, dtype, **options)
     colo = Colocation(llm, None, None, tp_group, sleep_mode)
     if sleep_mode:
         awake, asleep = sleep_after_build(llm, free_before)
@@ -367,8 +366,7 @@ def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
     llm.sleep(level=2)
-    asleep = free_before - torch.cuda.mem_get_info()[0]
-    return awake, asleep
+    return awake, free_before - torch.cuda.mem_get_info()[0]
 
 
 def sleep_vllm(llm) -> None:
@@ -529,9 +527,8 @@ def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs,
 
 # ========================================================================================== rewards and advantages
 def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = "") -> torch.Tensor:
-    """The weighted total reward [B]; each function's mean over its scored samples into stats. Each function is called
-    once, as TRL calls it: completions (text, or an assistant message), prompts, completion_ids, every other column by
-    name. None means it cannot score (a sample that none scores is NaN, left out by group_advantages)."""
+    """The weighted total reward [B], NaN where no function scored (group_advantages leaves those out); each function's
+    mean over its scored samples into stats. Each is called once, as TRL calls it; None: a sample it cannot score."""
     completions = [
         t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
         for t, row in zip(r.texts, r.rows, strict=True)
@@ -617,9 +614,8 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
 
 
 def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
-    """grpo_loss's keywords for one step (lengths [B]: this rank's completions'). DeepSpeed averages the gradient over
-    ranks and sums it over micro-batches, so each micro-batch's loss is a sum over a denominator fixed for the step
-    (M: max_completion_length; the sums run over the completions' tokens, the mask):
+    """grpo_loss's keywords for one step (lengths [B]: this rank's). DeepSpeed averages gradients over ranks and sums
+    them over micro-batches: a micro-batch's loss is a sum over one denominator per step (M: max_completion_length):
         loss_type  numerator               denominator                    the gradient: of the step's mean of
         grpo       sum of sequence means   sequences on this rank         each sequence's token mean
         dr_grpo    sum over tokens         sequences on this rank x M     each sequence's token sum / M
@@ -1078,14 +1074,11 @@ def correctness_reward(completions: list, answer: list[str], **kwargs) -> list[f
     for completion, reference in zip(completions, answer, strict=True):
         reference = "" if reference is None else str(reference).strip()
         extracted = extract_answer(completion_text(completion))
-        if not reference:
-            rewards.append(None)
-            continue
         try:
             correct = extracted is not None and math.isclose(float(extracted), float(reference.replace(",", "")))
         except ValueError:
             correct = extracted == reference
-        rewards.append(float(correct))
+        rewards.append(float(correct) if reference else None)
     return rewards
 
 
@@ -1216,12 +1209,11 @@ def check_model(cfg: Config, model_config) -> None:
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     length = cfg.max_prompt_length + cfg.max_completion_length
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
-    scaling = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
+    transform = next((key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)), None)
     # LongRoPE takes its long factors past the original context: vLLM for every sequence once max_model_len is, HF
     # for a micro-batch that is. (Dynamic NTK changes its base past the context alone, in HF; never in vLLM.)
     rope = getattr(model_config, "rope_parameters", None) or {}
-    longrope = rope.get("rope_type") == "longrope"
-    original = (rope.get("original_max_position_embeddings") or context) if longrope else context
+    original = (rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings")) or context
     if not (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
     if length > context:
@@ -1229,9 +1221,8 @@ def check_model(cfg: Config, model_config) -> None:
     if length > original:
         switch = f"over {original}, where its LongRoPE switches factors in vLLM for every sequence, here per batch"
         raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: {switch}")
-    if scaling:
-        unsupported = f"its {scaling[0]} changes the logits outside the LM head (unsupported)"
-        raise ConfigError(f"--model {cfg.model}: {unsupported}")
+    if transform:
+        raise ConfigError(f"--model {cfg.model}: its {transform} changes the logits outside the LM head (unsupported)")
     if model_config.model_type == "phimoe":  # (its router_jitter_noise is no noise: vLLM applies it too, as 0.01)
         raise ConfigError(f"--model {cfg.model}: Phi-MoE's router samples experts in training; vLLM's takes the top 2")
     if not ON_GPU:  # an MoE's expert weights are named `experts`, as vLLM's loaders find them (a skeleton: no memory)
@@ -1375,8 +1366,7 @@ def prune_checkpoints(output_dir: str, step: int, limit: int | None) -> None:
 def saved_checkpoints(output_dir: str) -> list[str]:
     """The complete checkpoint-N folders of output_dir, oldest first (a save cut short is still *.tmp)."""
     found = glob.glob(os.path.join(output_dir, "checkpoint-*"))  # (none if output_dir does not exist)
-    done = [path for path in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(path))]
-    return sorted(done, key=checkpoint_step)
+    return sorted((p for p in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))), key=checkpoint_step)
 
 
 def checkpoint_step(path: str) -> int:
@@ -1472,8 +1462,7 @@ def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, micro
 def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> dict:
     """Each phase's seconds, the price of co-location (push, its wake-ups included, + sleep), throughputs."""
     tokens = metrics["completions/total_tokens"]
-    out = {f"time/{phase}": seconds for phase, seconds in t.items()}
-    out["time/step"] = step_seconds
+    out = {**{f"time/{phase}": seconds for phase, seconds in t.items()}, "time/step": step_seconds}
     out["time/overhead"] = t["push"] + t.get("sleep", 0.0)
     out["samples_per_sec"] = samples / step_seconds
     out["tokens_per_sec"] = tokens / step_seconds
@@ -1531,8 +1520,7 @@ class RunLog:  # rank 0's record: a line per step, output_dir/metrics.jsonl, a r
 
     def close(self, failed: bool = False) -> None:
         for name, run in self.trackers:
-            marked = {"exit_code": 1} if failed and name == "wandb" else {}
-            run.finish(**marked)
+            run.finish(**({"exit_code": 1} if failed and name == "wandb" else {}))
 
 
 def main(argv: list[str] | None = None) -> None:
