@@ -10,9 +10,9 @@ puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). On
   1. wake vLLM and push the trained weights into it (`wake_and_push_weights`, through `gathered_params`);
   2. exchange prompts in the TP group, generate G completions each (`generate`), sleep(level=2) (`sleep_vllm`);
   3. rewards (`score`) -> group-relative advantages (`group_advantages`);
-  4. the trainer's log-probs (`sequence_logprobs`, `LogprobModel`), the clipped loss (`grpo_loss`; denominators:
-     `loss_settings`), backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`):
-     the trainer's log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights show.
+  4. the trainer's log-probs (`sequence_logprobs`, a micro-batch packed in one row: `packed_attention`), the clipped
+     loss (`grpo_loss`; denominators: `loss_settings`), backward, optimizer step (`train_on_rollouts`), the weight-sync
+     check (`add_sync_check`: the trainer's log-probs of the sampled tokens against vLLM's, where stale weights show).
 The mechanisms follow `train` in that order, then the data and rewards, then the plumbing: the input checks
 (`load_inputs`), checkpoints, signals, `Stats` (one step's metrics over the ranks). Launch (`bash run.sh` does it;
 --save_steps 50, --resume latest after a stop or crash; SIGTERM/SIGINT: stop and save at the next safe point, exit 0):
@@ -366,7 +366,8 @@ def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
     llm.sleep(level=2)
-    return awake, free_before - torch.cuda.mem_get_info()[0]
+    asleep = free_before - torch.cuda.mem_get_info()[0]
+    return awake, asleep
 
 
 def sleep_vllm(llm) -> None:
@@ -1462,7 +1463,8 @@ def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, micro
 def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> dict:
     """Each phase's seconds, the price of co-location (push, its wake-ups included, + sleep), throughputs."""
     tokens = metrics["completions/total_tokens"]
-    out = {**{f"time/{phase}": seconds for phase, seconds in t.items()}, "time/step": step_seconds}
+    out = {f"time/{phase}": seconds for phase, seconds in t.items()}
+    out["time/step"] = step_seconds
     out["time/overhead"] = t["push"] + t.get("sleep", 0.0)
     out["samples_per_sec"] = samples / step_seconds
     out["tokens_per_sec"] = tokens / step_seconds
@@ -1520,7 +1522,8 @@ class RunLog:  # rank 0's record: a line per step, output_dir/metrics.jsonl, a r
 
     def close(self, failed: bool = False) -> None:
         for name, run in self.trackers:
-            run.finish(**({"exit_code": 1} if failed and name == "wandb" else {}))
+            marked = {"exit_code": 1} if failed and name == "wandb" else {}
+            run.finish(**marked)
 
 
 def main(argv: list[str] | None = None) -> None:
