@@ -34,17 +34,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 from safetensors.torch import load_file
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DogeConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerBase,
-    Qwen3MoeConfig,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import grpo_colocate as g
 import offline_model
@@ -117,8 +109,7 @@ def smollm2_tokenizer():
 # ------------------------------------------------------------------------------------------ GRPO math
 def test_group_advantages_by_hand_leaving_out_unscorable_samples():
     """(r - group mean) / (group std + 1e-4), or unscaled; a sample no reward function could score (NaN) takes no part
-    in its group's mean and std and gets advantage 0 (a 0 would push the model away from what the reward failed to
-    parse)."""
+    in its group's mean and std and gets advantage 0 (a 0 would push the model from what the reward failed to read)."""
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     adv, std = g.group_advantages(r, 4, "group")
     s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
@@ -140,8 +131,10 @@ def test_head_logprobs_by_hand():
     assert lp[0].item() == pytest.approx(3 - math.log(math.e + math.e**2 + math.e**3), abs=1e-6)
     assert lp[1].item() == pytest.approx(math.log(1 / 3), abs=1e-6)
     assert ent[1].item() == pytest.approx(math.log(3), abs=1e-6)  # uniform over 3 tokens
-    lp2, _ = g.head_logprobs(head, logits, torch.tensor([2, 1]), temperature=2.0)
+    lp2, ent2 = g.head_logprobs(head, logits, torch.tensor([2, 1]), temperature=2.0)
     assert lp2[0].item() == pytest.approx(1.5 - math.log(math.exp(0.5) + math.exp(1) + math.exp(1.5)), abs=1e-6)
+    probs = [math.exp(x) / (math.exp(0.5) + math.exp(1) + math.exp(1.5)) for x in (0.5, 1, 1.5)]  # at temperature 2
+    assert ent2[0].item() == pytest.approx(-sum(q * math.log(q) for q in probs), abs=1e-6)
 
 
 def loss(logp, adv, mask, **kw):  # the first pass: old log-probs = the new ones, detached
@@ -151,8 +144,8 @@ def loss(logp, adv, mask, **kw):  # the first pass: old log-probs = the new ones
 
 
 def test_loss_normalisations_by_hand():
-    # ratio 1 everywhere, so each token's loss is -A: row 0 -> -1 (2 tokens), row 1 -> +2 (3 tokens); the masked token
-    # takes no part: no loss, no gradient
+    # ratio 1 everywhere, so each token's loss is -A: row 0 -> -1 (2 tokens), row 1 -> +2 (3 tokens); the masked one
+    # none
     logp = [[0.0, 0.0, 5.0], [0.0, 0.0, 0.0]]
     mask = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
     adv = [1.0, -2.0]
@@ -171,8 +164,7 @@ def test_loss_clipping_both_sides_kl_and_importance_weight_by_hand():
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     mask = torch.ones(4, 1)
     value, st = g.grpo_loss(logp_t, torch.zeros(4, 1), adv, mask, epsilon_low=0.2, epsilon_high=0.28, denominator=4)
-    # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5;
-    # 0.5,A=-1 -> +0.8 (clipped low)
+    # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5; 0.5,A=-1 -> +0.8
     assert value.item() == pytest.approx((-1.28 + 1.5 - 0.5 + 0.8) / 4)
     assert st["clip_ratio/high"] == 1 and st["clip_ratio/low"] == 1
     value.backward()
@@ -182,9 +174,11 @@ def test_loss_clipping_both_sides_kl_and_importance_weight_by_hand():
     k3 = 2.0 - math.log(2.0) - 1  # exp(d) - d - 1 with d = ref - logp = log 2
     ref = torch.tensor([[math.log(2.0)]])
     half = torch.tensor([[0.5]])
-    value, st, _ = loss([[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, importance_weight=half, denominator=1)
+    value, st, logp_t = loss([[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, importance_weight=half, denominator=1)
     assert value.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # the IS weight scales the surrogate, not the KL
     assert st["kl"].item() == pytest.approx(k3)
+    value.backward()  # d/dlogp: the surrogate's -A w = -0.5; the KL's beta (1 - exp(ref - logp)) = 0.1 (1 - 2)
+    assert logp_t.grad.item() == pytest.approx(-0.5 + 0.1 * (1 - 2))
     w = g.importance_weights(torch.tensor([0.0, math.log(2), math.log(5)]), torch.zeros(3), cap=3.0)
     assert w.tolist() == pytest.approx([1.0, 2.0, 3.0])
 
@@ -610,7 +604,7 @@ def inputs_dir(tmp_path_factory):
     tiny_llama_folder(
         d / "longrope", tokenizer=True, rope_parameters={**longrope, "original_max_position_embeddings": 256}
     )
-    moe = Qwen3MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    moe = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_local_experts=4)
     moe.save_pretrained(d / "moe")
     smollm2_tokenizer().save_pretrained(d / "moe")  # (the config alone: the refusal comes before the weights' check)
     tiny_llama_folder(d / "no_weights", tokenizer=True)  # a download or a copy cut short
@@ -632,9 +626,8 @@ def inputs_dir(tmp_path_factory):
 # Every option check and every load, as load_inputs runs them on every rank of a node of 2, before anything heavy: one
 # row a case, "ranks | options | the start of its one line": ours whole, a library's error up to its type. TMP is the
 # inputs_dir fixture; --model TMP/model and --output_dir TMP/out unless given. wandb reads as not installed; five rows
-# of data hold no training row; h6 is a model of 6 attention and 3 KV heads, sc one that soft-caps its logits,
-# no_template one without a chat template, longrope one whose RoPE switches factors past 256 tokens, moe a Qwen3-MoE;
-# 1000 + 128 is over the context, 1024.
+# of data hold no training row; models: h6 6 attention / 3 KV heads, sc soft-caps its logits, no_template has no chat
+# template, longrope switches RoPE factors past 256 tokens, moe a Qwen3-MoE; 1000 + 128 is over the context, 1024.
 REFUSED = """
 2 | --learning_rate nan | --learning_rate nan: must be a finite number
 2 | --vllm_tensor_parallel_size 0 | --vllm_tensor_parallel_size: must be >= 1
@@ -711,7 +704,8 @@ def test_good_input_loads(inputs_dir, monkeypatch):
     g.check_options(g.Config(vllm_tensor_parallel_size=3, chat_template_kwargs='{"enable_thinking": false}'), 6)
     g.check_model(g.Config(vllm_tensor_parallel_size=3, model=model), smollm2)
     g.check_model(g.Config(model=model), LlamaConfig(final_logit_softcapping=None, lm_head_multiplier=1.0))
-    g.check_model(g.Config(model=model), DogeConfig(is_moe=False))  # (dense, beside num_experts 16,384: no experts)
+    doge = AutoConfig.for_model("doge", is_moe=False)  # (dense, beside num_experts 16,384: no experts)
+    g.check_model(g.Config(model=model), doge)
     longrope = {"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [4.0] * 64}  # (head_dim 128)
     longrope["original_max_position_embeddings"] = 384  # (256 + 128: within it)
     g.check_model(g.Config(model=model), LlamaConfig(rope_parameters=longrope))
@@ -732,7 +726,8 @@ def test_good_input_loads(inputs_dir, monkeypatch):
     inputs = g.load_inputs(g.Config(model=model, output_dir=used, resume="latest"), 8)
     assert (inputs.resume_dir, inputs.first_step) == (os.path.join(used, "checkpoint-2"), 2)
     # --chat_template_kwargs may set none of apply_chat_template's own parameters but the template's inputs
-    own = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+    template = transformers.PreTrainedTokenizerBase.apply_chat_template
+    own = set(inspect.signature(template).parameters) - {"self", "kwargs"}
     assert own - {"tools", "documents"} | {"conversations"} == g.CHAT_TEMPLATE_OWN  # (the renderer's own too)
     probe = "import sys, grpo_colocate; print(sorted({'wandb', 'trackio', 'datasets'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE).stdout == "[]\n"
@@ -816,8 +811,8 @@ def stats_worker(rank, world):
         out.append(str(e))
 
     # step metrics over both ranks, from what the loop's producers put into Stats: rewards over the samples that could
-    # be scored, clip ratios and KL over the tokens in the loss, the sync check over all sampled tokens, loss and
-    # grad_norm as the ranks' mean
+    # be scored, clip ratios and KL over the tokens in the loss, the sync check over all tokens, loss and grad_norm:
+    # means
     correctness = mock.Mock(return_value=[1.0, None])  # the second sample cannot be scored
     r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], [{"prompt": "p"}] * 2, [True, False])
     stats = g.Stats()
@@ -937,10 +932,12 @@ class EchoEngine:
 
     def __init__(self):
         self.calls = []
+        self.sampled_with = set()  # (temperature, n) of every request
 
     def generate(self, requests, params, use_tqdm=False):
         params = params if isinstance(params, list) else [params] * len(requests)
         self.calls.append([r["prompt_token_ids"] for r in requests])
+        self.sampled_with |= {(sp.temperature, sp.n) for sp in params}
         outputs = []
         for request, sp in zip(requests, params, strict=True):
             ids = request["prompt_token_ids"]
@@ -978,25 +975,29 @@ def tp_worker(rank, world):
         inputs = g.Inputs(SimpleNamespace(eval_rows=rows), reward_funcs, CharTokenizer(), ds_config={})
         engine = EchoEngine()
         metrics = g.evaluate(engine, inputs, cfg, group if tp == 2 else None, torch.device("cpu"))
-        evals.append((metrics, [len(call) for call in engine.calls]))
+        evals.append((metrics, [len(call) for call in engine.calls], engine.sampled_with))
     return exchange, evals
 
 
 def test_tp_exchange_keeps_prompts_aligned_and_eval_sends_batches_of_one_step():
     """A TP group's ranks feed their one engine the identical prompt list, each gets back its own slice in order, and
     prompt i of the group's list samples with seed + 3i (vLLM gives its n=3 samples +0, +1, +2) on every rank. evaluate
-    sends vLLM at most one step's prompts a call (the KV cache holds one step), works where a rank has no eval rows
-    (and still takes part in its TP group's exchange), and scores every row once."""
+    sends vLLM at most one step's prompts a call (the KV cache holds one step), greedy, works where a rank has no eval
+    rows (and still takes part in its TP group's exchange), and scores every row once. Each TP group's seeds differ."""
     # 5 and 4 rows a rank, at most a step's 2 prompts a call; TP 2: at most 2 x 2; 1 row: rank 1 has none
     batches = [{0: [2, 2, 1], 1: [2, 2]}, {0: [4, 4, 1], 1: [4, 4, 1]}, {0: [1], 1: []}, {0: [1], 1: [1]}]
     assert g.tp_group_layout(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # contiguous ranks
     assert g.tp_group_layout(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]] and g.tp_group_layout(2, 1) == [[0], [1]]
+    assert len({g.step_seed(0, 5, tp_group_index=k) for k in range(8)}) == 8  # each TP group of a step: its own seeds
     for rank, ((engine_calls, own), evals) in run_workers(tp_worker, 2).items():
         assert engine_calls == [[[r, j, 100 + r] for r in (0, 1) for j in range(r + 1)]]
         first = 1 if rank == 1 else 0  # where this rank's prompts begin in the group's list
         assert own == [([rank, j, 100 + rank], 1000 + 3 * (first + j)) for j in range(rank + 1)]
-        for (metrics, engine_batches), expected, num_rows in zip(evals, batches, [9, 9, 1, 1], strict=True):
+        for (metrics, engine_batches, sampled_with), expected, num_rows in zip(
+            evals, batches, [9, 9, 1, 1], strict=True
+        ):
             assert engine_batches == expected[rank]
+            assert sampled_with == ({(0.0, 1)} if engine_batches else set())  # greedy: one completion at temperature 0
             right = len(range(0, num_rows, 2)) / num_rows
             rewards = {"eval/rewards/correctness": right, "eval/rewards/format": 1.0, "eval/reward": right + 0.5}
             assert metrics == pytest.approx(rewards)
@@ -1514,7 +1515,7 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     then calls reload_weights without weights (the bug TRL's colocate mode shipped: it reloads the checkpoint from
     disk); the sync check must flag both. Step 3: a NaN loss on one rank stops both ranks before the update; the save
     after step 2 stays whole, and the wandb run is marked failed. Also an empty eval set with eval_steps > 0, and
-    before the loop, the co-location core as a copier uses it (copy_core above): the second generate samples the new
+    before the loop, the co-location core as a copier uses it (copy_core above): the second generate samples new
     weights."""
     out = tmp_path / "out"
     args = E2E + TINY + "--max_steps 5 --save_steps 3 --num_eval_prompts 0 --report_to wandb".split()
@@ -1615,7 +1616,7 @@ def test_a_signal_to_the_launcher_saves_and_resume_matches_an_uninterrupted_run(
     """The same run as tp2_run, stopped as a scheduler stops a job: SIGTERM to run.sh during step 1. torchrun would
     kill the workers 1 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1), before any save; run.sh hands the signal to the
     workers, which stop at the next safe point, save, and exit 0. --resume latest then trains as the uninterrupted run
-    did, exactly."""
+    did."""
     args = TP2 + ["--model", tiny_model]
     full = tp2_run[2]  # the uninterrupted run's metrics
     out = tmp_path / "cut"
@@ -1673,8 +1674,7 @@ def test_a_signal_stops_at_the_next_safe_point_without_the_eval(tiny_model, tmp_
     """SIGTERM to one rank in step 1 (as a scheduler signals the workers) stops every rank at the next safe point:
     right after the step's generation (step_seed: just before it), whose samples are dropped (the resume draws them
     again), or after a training phase it cannot cut short. Then a checkpoint of the last step trained, no eval (step 2
-    would have one), exit 0. Saving every step, the stop finds that checkpoint saved already; --save_total_limit 1
-    leaves it alone."""
+    would have one), exit 0. Saving every step, the stop finds that checkpoint saved; --save_total_limit 1 keeps it."""
     out = tmp_path / "out"
     args = E2E + TINY + ["--model", tiny_model, "--max_steps", "4", "--eval_steps", "2"]
     args += ["--save_steps", "1", "--save_total_limit", "1"]
