@@ -110,7 +110,7 @@ class Config:  # every option of the script (--help lists them); names follow TR
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
-    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts if this share is free (a check only)")
+    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="a start-up check; the KV cache: kv_cache_bytes")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory while training (CUDA only)")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
     deepspeed_config: str = HfArg(default=DS_ZERO3, help='the DeepSpeed config; "auto" values from the options')
@@ -142,7 +142,7 @@ PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-ga
 LOGPROB_CHUNK = 2**28  # logits per LM head chunk (1 GiB in float32); its peak: 3 chunks in backward, 2 forward
 # what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, ...): see check_model
 LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
-LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (scale the head's input; the logits)
+LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (Inkling: head input; MuseGlimmer: logits)
 LOGIT_TRANSFORMS += ["logits_soft_cap", "output_logit_soft_cap"]  # (RecurrentGemma, xLSTM)
 # apply_chat_template's own parameters, which --chat_template_kwargs may not set: they would change what is trained
 CHAT_TEMPLATE_OWN = {"tokenize", "return_dict", "add_generation_prompt", "continue_final_message", "chat_template"}
@@ -317,9 +317,8 @@ def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> N
 
 
 # ======================================================================================================= co-location
-# With external_launcher, vLLM starts no processes: each torchrun rank is a worker of its TP group's one engine. Our
-# process group has no device_id (main): with one, torch makes every new group's NCCL communicator at once, and vLLM's
-# mostly idle groups take 2.3 GiB per GPU that sleep cannot free. No Config here: this copies into another project.
+# With external_launcher, vLLM starts no processes: each torchrun rank is a worker of its TP group's one engine, in
+# our process group (no device_id: main). No Config here: these functions copy into another project as they are.
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
     """Contiguous ranks share an engine, as vLLM lays them out: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
@@ -376,8 +375,8 @@ def sleep_vllm(llm) -> None:
 
 
 def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
-    """Make vLLM sample from the weights just trained; returns the names of the parameters vLLM loaded.
-    Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
+    """Make vLLM sample from the weights just trained; returns the names of the parameters vLLM loaded. (vLLM's
+    reload_weights, which the CPU path calls, must get the weights: without, it reloads the checkpoint from disk.)"""
     if sleep_mode:
         make_room_for_wake(wake_bytes)
         llm.wake_up(tags=["weights"])
@@ -395,7 +394,7 @@ def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> 
 
 def make_room_for_wake(wake_bytes: int) -> None:
     """Give torch's cached blocks back (a cudaFree now, a cudaMalloc in the next step) only if vLLM's wake-up needs the
-    room, plus 1 GiB for what generation allocates outside vLLM's pool (logits: 0.15 GiB at 256 x 152k tokens)."""
+    room, plus 1 GiB for what generation allocates outside vLLM's pool (logits: 0.15 GiB, 256 rows x a 152k vocab)."""
     if ON_GPU and (wake_bytes <= 0 or torch.cuda.mem_get_info()[0] < wake_bytes + 2**30):  # (wake_bytes 0: unknown)
         torch.cuda.empty_cache()
 
@@ -413,7 +412,7 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
         bucket.append((name, param))
         bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
         if bucket_size >= bucket_bytes or i == len(params) - 1:
-            # ZeRO-3 keeps small parameters whole. Gathered again, they would be partitioned (freed) on exit.
+            # ZeRO-3 keeps parameters under stage3_param_persistence_threshold whole: gathered again, freed on exit
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
                 yield from ((bucket_name, bucket_param.data) for bucket_name, bucket_param in bucket)
@@ -850,7 +849,7 @@ def grpo_loss(
     logp, old_logp, ref_logp, importance_weight (w), mask: [B, T]; advantages (A): [B]. Per token:
         ratio = exp(logp - old_logp)
         loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * w + beta * k3
-        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (never negative; unbiased under the policy's samples)
+        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (>= 0; unbiased on the policy's samples; here vLLM's)
     Summed over the mask's tokens (grpo: each sequence's mean), then / denominator (the table in loss_settings)."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # [B, T]
@@ -1483,7 +1482,6 @@ def print_samples(r: Rollouts, rewards, advantages, n: int) -> None:
         say(f"  reward {rewards[i]:.2f} | advantage {advantages[i]:+.2f} | {question[-150:]} -> {reply[:300]}")
 
 
-# (metric, format) of the line printed per step
 LOG_LINE = [("reward", "reward {:.3f}"), ("rewards/correctness", "acc {:.3f}"), ("rewards/format", "fmt {:.3f}")]
 LOG_LINE += [("frac_reward_zero_std", "zero_std {:.2f}"), ("completions/mean_length", "len {:.0f}")]
 LOG_LINE += [("sampling/logp_diff_mean", "logp_diff {:.4f}"), ("sampling/logp_diff_max", "max {:.4f}")]
@@ -1534,8 +1532,10 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", local_rank) if ON_GPU else torch.device("cpu")
     if ON_GPU:
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
-        dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)  # no device_id: see co-location
+    # vLLM's external_launcher and DeepSpeed both join this process group. No device_id: with one, torch makes every
+    # new group's NCCL communicator at once, and vLLM's mostly idle groups take 2.3 GiB per GPU that sleep cannot free.
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)
     try:
         inputs = load_inputs(cfg, dist.get_world_size())
         torch.manual_seed(cfg.seed)
