@@ -691,7 +691,7 @@ class LogprobModel(torch.nn.Module):
         self.packed = False
 
     def use_packing(self, packed: bool) -> None:
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface  # (a global table of attention functions, looked up per call)
 
         AttentionInterface.register(PACKED_ATTENTION, packed_attention)
         self.packed = packed
