@@ -139,7 +139,7 @@ class Config:  # every option of the script (--help lists them); names follow TR
 
 
 PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (its extra memory, + 1 parameter)
-LOGPROB_CHUNK = 2**28  # logits per LM head chunk (1 GiB in float32); its peak: 3 chunks in backward, 2 forward
+LOGPROB_CHUNK = 2**28  # logits per LM head chunk (1 GiB in float32): head_logprobs holds 2 such [n, V], 3 in backward
 # what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, ...): see check_model
 LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
 LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (Inkling: head input; MuseGlimmer: logits)
@@ -400,8 +400,9 @@ def make_room_for_wake(wake_bytes: int) -> None:
 
 
 def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
-    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time. Every rank must
-    exhaust it, in step (ZeRO-3's rule, in LogprobModel). A tensor is valid until the next bucket: copy it."""
+    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time. A tensor is valid
+    until the next bucket: copy it. Each bucket is a collective, so every rank must run the loop to its end, in step:
+    a loop that breaks early or skips buckets on one rank leaves the others waiting forever."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -470,8 +471,8 @@ def sampling_params(n: int, temperature: float, max_tokens: int):
 
 
 def step_seed(seed: int, step: int, tp_group_index: int) -> int:
-    """The first sampling seed of a TP group's engine in a step: a hash of (seed, step, group) alone, so a resumed run
-    samples the same. Shifted by 20 bits, it leaves the step 2**20 seeds: prompt i gets + i * n, its sample k + k."""
+    """The seed of a TP group's first sample in a step, from (seed, step, group) alone: a resumed run samples the same.
+    Sample k of the group's prompt i gets this + i * n + k (generate; vLLM adds k): << 20 leaves each step 2**20."""
     return zlib.crc32(f"{seed}:{step}:{tp_group_index}".encode()) << 20
 
 
@@ -619,7 +620,8 @@ def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
         loss_type  numerator               denominator                    the gradient: of the step's mean of
         grpo       sum of sequence means   sequences on this rank         each sequence's token mean
         dr_grpo    sum over tokens         sequences on this rank x M     each sequence's token sum / M
-        dapo       sum over tokens         tokens on all ranks / ranks    each token's loss"""
+        dapo       sum over tokens         tokens on all ranks / ranks    each token's loss
+    dapo, 2 ranks of 300 and 100 tokens: each divides its sum by 200; DeepSpeed's mean over ranks: the sum over 400."""
     if cfg.loss_type == "grpo":
         denominator = len(lengths)
     elif cfg.loss_type == "dr_grpo":
@@ -783,9 +785,8 @@ def check_packing(model: LogprobModel, device) -> None:
         holder.sliding_window = window
     padded, packed, behind_another = second_logps
     close = 1e-5 if model.causal_lm.dtype == torch.float32 else 2e-2  # (float32 on CPU; bf16 kernels round apart)
-    model.use_packing(
-        torch.allclose(packed, behind_another, atol=close) and torch.allclose(packed, padded, atol=close)
-    )
+    alone = torch.allclose(packed, behind_another, atol=close) and torch.allclose(packed, padded, atol=close)
+    model.use_packing(alone)
 
 
 def check_head_gives_logits(model: LogprobModel, model_path: str, device) -> None:
@@ -1415,10 +1416,8 @@ class Stats:
         for name, kind, value, count in (record for records in everyone for record in records):
             if name not in combined:
                 combined[name] = [kind, value, count]
-            elif kind == "max":
-                combined[name][1] = max(combined[name][1], value)
-            else:
-                combined[name][1] += value
+            else:  # (a max's count is 0)
+                combined[name][1] = max(combined[name][1], value) if kind == "max" else combined[name][1] + value
                 combined[name][2] += count
         return {  # (a mean of nothing, e.g. no sample scored, is NaN)
             name: (value / count if count else math.nan) if kind == "mean" else value
