@@ -13,9 +13,9 @@ puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). On
   4. the trainer's log-probs (`sequence_logprobs`, a micro-batch packed in one row: `packed_attention`), the clipped
      loss (`grpo_loss`; denominators: `loss_settings`), backward, optimizer step (`train_on_rollouts`), the weight-sync
      check (`add_sync_check`: the trainer's log-probs of the sampled tokens against vLLM's, where stale weights show).
-The mechanisms follow `train` in that order, then the data and rewards, then the plumbing: the input checks
-(`load_inputs`), checkpoints, signals, `Stats` (one step's metrics over the ranks). Launch (`bash run.sh` does it;
---save_steps 50, --resume latest after a stop or crash; SIGTERM/SIGINT: stop and save at the next safe point, exit 0):
+The mechanisms follow `train` in that order, then the data and rewards, the plumbing (the input checks: `load_inputs`,
+checkpoints, signals, `Stats`: one step's metrics over the ranks) and the CPU concessions. Launch (`bash run.sh` does
+it; --save_steps 50, --resume latest after a stop or crash; SIGTERM/SIGINT: stop and save at the next safe point):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
@@ -421,27 +421,6 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
             bucket_size = 0
 
 
-def reload_weights_on_cpu(llm, weights) -> set[str]:
-    """vLLM's CPU backend packs linear weights for its kernels; its layer-wise reload_weights packs them again. It
-    returns no names: those its model's load_weights returns are recorded on the way."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
-    load = vllm_model.load_weights
-    loaded = set()
-
-    def recording_load(named_weights):
-        names = load(named_weights)
-        loaded.update(names)
-        return names
-
-    with mock.patch.object(vllm_model, "load_weights", recording_load):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-    # ... except a tied lm_head, which keeps a stale packed copy unless packed anew (harmless for an untied one)
-    dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False)
-    return loaded
-
-
 def check_push_loaded_everything(llm, loaded: set[str]) -> None:
     """Every parameter of the engine must come from the push: after level-2 sleep, one it skips holds whatever the
     woken memory holds, and only logp_diff would show it. (A tied lm_head is the embedding: vLLM lists it once.) It
@@ -738,18 +717,6 @@ def packed_attention(module, query, key, value, attention_mask, scaling, dropout
     return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scaling, window_size=window)[None], None
 
 
-def attention_apart_on_cpu(query, key, value, starts: list[int], scaling: float, sliding_window: int | None):
-    """packed_attention on a CPU, which has no variable-length kernel: each sequence through SDPA on its own."""
-    outputs = []
-    for start, end in itertools.pairwise(starts):
-        i = torch.arange(end - start, device=query.device)
-        allowed = (i[None] <= i[:, None]) & (i[:, None] - i[None] < (sliding_window or len(i)))  # [n, n]
-        q, k, v = (x[:, :, start:end] for x in (query, key, value))
-        attention = torch.nn.functional.scaled_dot_product_attention
-        outputs.append(attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=True))  # [1, H, n, D]
-    return torch.cat(outputs, dim=2).transpose(1, 2)  # [1, S, H, D]
-
-
 def check_packing(model: LogprobModel, device) -> None:
     """Packs the log-prob pass (model.use_packing) where a packed row gives a sequence what it gets alone: two rows of
     7 and 4 tokens, on every rank alike (ZeRO-3's rule). The second's log-probs must equal its padded pass's, behind
@@ -766,12 +733,11 @@ def check_packing(model: LogprobModel, device) -> None:
     for holder in narrowed:
         holder.sliding_window = 2
     vocab = model.causal_lm.get_output_embeddings().out_features
-    first = [t % vocab for t in range(1, 8)]  # 7 tokens
-    other_first = [t % vocab for t in range(20, 27)]
     second = [t % vocab for t in range(8, 12)]  # 4 tokens
     second_logps = []  # the second row's 3 log-probs: padded; packed; packed behind another first row
     model.eval()
-    for packed, first_row in ((False, first), (True, first), (True, other_first)):
+    for packed, start in ((False, 1), (True, 1), (True, 20)):  # the first row: 7 tokens from `start`
+        first_row = [t % vocab for t in range(start, start + 7)]
         model.use_packing(packed)
         prompts, completions = [first_row[:1], second[:1]], [first_row[1:], second[1:]]
         try:
@@ -1521,6 +1487,41 @@ class RunLog:  # rank 0's record: a line per step, output_dir/metrics.jsonl, a r
         for name, run in self.trackers:
             marked = {"exit_code": 1} if failed and name == "wandb" else {}
             run.finish(**marked)
+
+
+# ==================================================================================================== CPU concessions
+# What CI's CPU runs need in place of the GPU's path: vLLM's CPU weight reload, attention with no varlen kernel.
+def reload_weights_on_cpu(llm, weights) -> set[str]:
+    """vLLM's CPU backend packs linear weights for its kernels; its layer-wise reload_weights packs them again. It
+    returns no names: those its model's load_weights returns are recorded on the way."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
+    load = vllm_model.load_weights
+    loaded = set()
+
+    def recording_load(named_weights):
+        names = load(named_weights)
+        loaded.update(names)
+        return names
+
+    with mock.patch.object(vllm_model, "load_weights", recording_load):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    # ... except a tied lm_head, which keeps a stale packed copy unless packed anew (harmless for an untied one)
+    dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False)
+    return loaded
+
+
+def attention_apart_on_cpu(query, key, value, starts: list[int], scaling: float, sliding_window: int | None):
+    """packed_attention on a CPU, which has no variable-length kernel: each sequence through SDPA on its own."""
+    outputs = []
+    for start, end in itertools.pairwise(starts):
+        i = torch.arange(end - start, device=query.device)
+        allowed = (i[None] <= i[:, None]) & (i[:, None] - i[None] < (sliding_window or len(i)))  # [n, n]
+        q, k, v = (x[:, :, start:end] for x in (query, key, value))
+        attention = torch.nn.functional.scaled_dot_product_attention
+        outputs.append(attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=True))  # [1, H, n, D]
+    return torch.cat(outputs, dim=2).transpose(1, 2)  # [1, S, H, D]
 
 
 def main(argv: list[str] | None = None) -> None:
