@@ -41,7 +41,6 @@ import time
 import traceback
 import warnings
 import zlib
-from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
@@ -182,11 +181,11 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
             if eval_step:
                 metrics.update(evaluate(colo.llm, inputs, cfg, colo.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts (a whole number: check_options), then vLLM sleeps
-        examples = prompts_for_step(inputs.source, step, cfg.completions_per_rank // G, world)
+        examples = prompts_for_step(inputs.source, step, cfg.completions_per_rank // G, world, RANK)
         prompts = [example["prompt"] for example in examples]
         prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
         with timer("generate"):  # the TP group's prompt exchange, generation, the texts decoded
-            seed = step_seed(cfg.seed, step, tp_group_index=RANK // cfg.vllm_tensor_parallel_size)
+            seed = step_seed(cfg.seed, step, colo.tp_group_index)
             outputs = generate(colo.llm, prompt_ids, sampling, colo.tp_group, seed)
             rollouts = collect_rollouts(examples, prompt_ids, outputs, inputs.tokenizer)
         if colo.sleep_mode:
@@ -235,6 +234,7 @@ class Colocation:  # what `setup` builds: the engine and the trainer that take t
     trainer: object  # the policy's DeepSpeed ZeRO-3 engine (its LogprobModel: trainer.module)
     ref: object | None  # the frozen reference (beta > 0)
     tp_group: object | None  # this rank's TP group (None at TP 1)
+    tp_group_index: int  # which engine of the run: this rank // TP size (contiguous ranks)
     sleep_mode: bool
     wake_bytes: int = 0  # what vLLM maps again at wake-up
     memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
@@ -261,9 +261,10 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     options = {"enable_sleep_mode": sleep_mode, "enforce_eager": cfg.vllm_enforce_eager or not ON_GPU}
     if ON_GPU:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-    max_model_len = cfg.max_prompt_length + cfg.max_completion_length
-    llm = build_vllm(cfg.model, tp, cfg.seed, cfg.completions_per_rank * tp, max_model_len, dtype, **options)
-    colo = Colocation(llm, None, None, tp_group, sleep_mode)
+    max_len = cfg.max_prompt_length + cfg.max_completion_length
+    group_index = dist.get_rank() // tp
+    llm = build_vllm(cfg.model, tp, cfg.seed + group_index, cfg.completions_per_rank * tp, max_len, dtype, **options)
+    colo = Colocation(llm, None, None, tp_group, group_index, sleep_mode)
     if sleep_mode:
         awake, asleep = sleep_after_build(llm, free_before)
         colo.wake_bytes = awake - asleep
@@ -332,7 +333,7 @@ def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model
         model=model_path,
         tensor_parallel_size=tp,
         distributed_executor_backend="external_launcher",
-        seed=seed + dist.get_rank() // tp,  # one per engine: its ranks sample alike (for requests without their own)
+        seed=seed,  # this engine's, alike on its TP group's ranks: for the requests without their own (the eval)
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -1014,9 +1015,9 @@ def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
     return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
 
 
-def prompts_for_step(source, step: int, prompts_per_rank: int, world_size: int) -> list[dict]:
+def prompts_for_step(source, step: int, prompts_per_rank: int, world_size: int, rank: int) -> list[dict]:
     """This rank's rows: distinct on every rank, and a function of the step alone (exact resumes)."""
-    return [source[(step * world_size + RANK) * prompts_per_rank + j] for j in range(prompts_per_rank)]
+    return [source[(step * world_size + rank) * prompts_per_rank + j] for j in range(prompts_per_rank)]
 
 
 def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list[int]]:
@@ -1280,7 +1281,7 @@ def loading(option: str, value):
 class PhaseTimer:  # `with timer("generate"):` adds its seconds to timer.t["generate"] (on GPU: synchronized both ends)
     def __init__(self, sync: bool = False):
         self.sync = sync
-        self.t = defaultdict(float)
+        self.t = {}  # seconds by phase
 
     @contextmanager
     def __call__(self, name: str):
@@ -1290,7 +1291,7 @@ class PhaseTimer:  # `with timer("generate"):` adds its seconds to timer.t["gene
         yield
         if self.sync:
             torch.cuda.synchronize()
-        self.t[name] += time.perf_counter() - t0
+        self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
 
 
 def save_model(model, tokenizer, out_dir: str) -> None:
@@ -1404,9 +1405,8 @@ def check_finite(value: float, what: str, device) -> None:
 
 
 def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, micro_batch_size: int, model) -> None:
-    """The step's completion lengths, group spread and data position (a hash of its prompts), and what a pass of the
-    decoder (model: a LogprobModel) computes for bench/step_split.py's TFLOP/s: its tokens, pads included, and the
-    squares of its rows' lengths (causal attention's work grows with them), a packed row counting each sequence's."""
+    """The step's completion lengths, group spread and data position (a hash of its prompts); for step_split.py's
+    TFLOP/s, the tokens a pass of the decoder computes (pads included) and its rows' squared lengths (attention's)."""
     sequence_lengths = [len(p) + len(c) for p, c in zip(r.prompt_ids, r.completions, strict=True)]
     for i in range(0, len(sequence_lengths), micro_batch_size):
         rows = sequence_lengths[i : i + micro_batch_size]

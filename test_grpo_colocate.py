@@ -379,15 +379,14 @@ def test_the_built_in_task_is_exact_seeded_and_holds_its_eval_prompts_out():
     assert sum(a == b for a, b in zip(raw, stream, strict=True)) == sum(p not in held_out for p in raw)
 
 
-def test_each_rank_and_step_draws_its_own_prompts_reproducibly(monkeypatch):
+def test_each_rank_and_step_draws_its_own_prompts_reproducibly():
     cfg = g.Config(num_eval_prompts=8)
     src = g.prompt_source(cfg)
     batches = []
     for step in range(3):
         for rank in range(4):
-            monkeypatch.setattr(g, "RANK", rank)
-            batch = g.prompts_for_step(src, step, prompts_per_rank=2, world_size=4)  # f(seed, step, rank)
-            assert len(batch) == 2 and batch == g.prompts_for_step(g.prompt_source(cfg), step, 2, 4)
+            batch = g.prompts_for_step(src, step, prompts_per_rank=2, world_size=4, rank=rank)  # f(seed, step, rank)
+            assert len(batch) == 2 and batch == g.prompts_for_step(g.prompt_source(cfg), step, 2, 4, rank)
             batches += batch
     assert len({question(row) for row in batches}) > 20  # 24 distinct problems (a few collisions by chance)
     assert g.prompt_source(g.Config(seed=1, num_eval_prompts=8))[0] != src[0]

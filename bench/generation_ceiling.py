@@ -80,9 +80,9 @@ def main() -> None:
     if on_gpu:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
     max_model_len = cfg.max_prompt_length + cfg.max_completion_length
-    llm = g.build_vllm(model_path, tp, cfg.seed, per_rank * tp, max_model_len, dtype, **options)
+    llm = g.build_vllm(model_path, tp, cfg.seed + g.RANK // tp, per_rank * tp, max_model_len, dtype, **options)
     tokenizer = inputs.tokenizer
-    examples = g.prompts_for_step(source, args.step, per_rank // G, world)
+    examples = g.prompts_for_step(source, args.step, per_rank // G, world, g.RANK)
     prompt_ids = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.template_kwargs)
     sampling = g.sampling_params(G, cfg.temperature, cfg.max_completion_length)
     variants = json.loads(args.variants)
