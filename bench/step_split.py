@@ -9,12 +9,14 @@ time/wake) split the same: those count in gen and push.
     python bench/step_split.py runs/grpo "runs/1 H200"        # run folders (output_dir) or metrics.jsonl files
     python bench/step_split.py /tmp/run --model /tmp/random-1.5b-qwen --gradient_checkpointing  # + TFLOP/s
 
-With --model (the run's model; the built-in task's prompts) it also prints the train phase's achieved TFLOP/s:
-F = k N T + k 2 layers hidden sum(L^2) + 8 V hidden C per step, over time/train, against the card's measured bf16 peak
-(--peak_tflops): k = 6 (8 with --gradient_checkpointing: the forward again), N the parameters without the embedding
-and the LM head, T all tokens, L each row's length (prompt + completion), V hidden C the LM head over the C completion
-tokens (its chunks are recomputed in backward: always 8). Each row's L is the step's mean completion length plus the
-built-in task's mean templated prompt: exact for random-weight models, whose completions all run to full length.
+With --model (the run's model) it also prints the train phase's achieved TFLOP/s, over time/train, against the
+card's measured bf16 peak (--peak_tflops), from the work the trainer's pass computes:
+F = k N T + k layers hidden sum(L^2) + 8 V hidden C per step: k = 6 (8 with --gradient_checkpointing: the forward
+again), N the parameters without the embedding and the LM head, T the tokens the decoder computes
+(`train/decoder_tokens`: pads included when the rows are padded), L each row's length (`train/decoder_tokens_squared`:
+each sequence's length when packed, the micro-batch's longest when padded; causal attention is half of 4 L^2 hidden a
+layer forward), and V hidden C the LM head over the C completion tokens (its chunks are recomputed in backward: always
+8). Runs that log no `train/decoder_tokens` get no TFLOP/s.
 
 Prints one `SPLIT {json}` line and one readable line per run.
 """
@@ -23,9 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def timed_steps(rows: list[dict]) -> list[dict]:
@@ -77,43 +76,34 @@ def split(rows: list[dict]) -> dict:
 
 def model_shape(model_dir: str) -> dict:
     """What the FLOP count needs of a model: its parameters without the embedding and the LM head, layers, hidden
-    size, vocabulary, and the built-in task's mean prompt length through its tokenizer."""
+    size and vocabulary."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    sys.path.insert(0, os.path.dirname(HERE))
-    import grpo_colocate as g
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):  # shapes only, no memory
         model = AutoModelForCausalLM.from_config(config)
     vocabulary_sized = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
     body = sum(p.numel() for p in model.parameters() if id(p) not in vocabulary_sized)
-    task = g.ArithmeticTask(seed=0, num_eval_prompts=128)
-    prompts = [task[i]["prompt"] for i in range(256)]
-    prompt_ids = g.encode_prompts(AutoTokenizer.from_pretrained(model_dir), prompts, {})
     text = config.get_text_config()
     return {
         "body_params": body,
         "layers": text.num_hidden_layers,
         "hidden": text.hidden_size,
         "vocab": text.vocab_size,
-        "prompt_tokens": statistics.mean(len(ids) for ids in prompt_ids),
     }
 
 
-def train_tflops(rows: list[dict], shape: dict, gradient_checkpointing: bool) -> float:
+def train_tflops(rows: list[dict], shape: dict, gradient_checkpointing: bool) -> float | None:
     """The train phase's achieved TFLOP/s: the median over steps 1..N-1 of F / time/train (see the docstring)."""
     k = 8 if gradient_checkpointing else 6
     rates = []
     for r in timed_steps(rows):
-        completion_tokens = r["completions/total_tokens"]
-        completions = completion_tokens / r["completions/mean_length"]
-        row_length = shape["prompt_tokens"] + r["completions/mean_length"]
-        tokens = completions * row_length
-        dense = k * shape["body_params"] * tokens
-        attention = k * 2 * shape["layers"] * shape["hidden"] * completions * row_length**2
-        head = 8 * shape["vocab"] * shape["hidden"] * completion_tokens
+        if "train/decoder_tokens" not in r:
+            return None
+        dense = k * shape["body_params"] * r["train/decoder_tokens"]
+        attention = k * shape["layers"] * shape["hidden"] * r["train/decoder_tokens_squared"]
+        head = 8 * shape["vocab"] * shape["hidden"] * r["completions/total_tokens"]
         rates.append((dense + attention + head) / r["time/train"] / 1e12)
     return statistics.median(rates)
 
@@ -154,7 +144,7 @@ def main() -> None:
             f"generation {s['generate_tokens_per_sec']:.0f} tok/s; logp_diff {s['logp_diff_mean']:.4f} mean, "
             f"{s['logp_diff_max']:.4f} max{mem}{ev}"
         )
-        if shape:
+        if shape and s["train_tflops"] is not None:
             share = 100 * s["train_tflops"] / args.peak_tflops
             print(f"{arg}: train phase {s['train_tflops']:.0f} TFLOP/s, {share:.0f}% of {args.peak_tflops:.0f}")
 
