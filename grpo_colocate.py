@@ -638,13 +638,13 @@ def sequence_logprobs(model, prompt_ids, completions, temperature: float, device
 class LogprobModel(torch.nn.Module):
     """A causal LM whose forward returns the log-probs and entropies of chosen tokens, never [B, L, V] logits.
 
-    The log-probs must be the output of the module DeepSpeed wraps: its forward counts the micro-batch (ZeRO-3 adds a
-    micro-batch's gradients only if counted) and hooks the accumulation boundary onto the output's backward. A loss
-    computed beside it trains on the last micro-batch alone (100-160% off at 2-4 micro-batches: the ZeRO-3 gradient
-    test fails). This file assumes the logits are the LM head of the last hidden state (check_head_gives_logits checks
-    it). ZeRO-3's rule: every rank calls a partitioned module as many times, in the same order (each call gathers its
-    weights in a collective: one more call hangs), so the LM head runs in as many chunks everywhere (chunked_logprobs).
-    Its children keep the HF model's names. `packed`: one row per micro-batch (check_packing)."""
+    The log-probs must be the output of the module DeepSpeed wraps: its forward moves ZeRO-3's micro-step on after a
+    backward (else a micro-batch's gradients overwrite the last's) and marks the accumulation boundary in the output's
+    backward. A loss computed beside it trains on the last micro-batch alone (100-160% off at 2-4 micro-batches: the
+    ZeRO-3 gradient test fails). This file assumes the logits are the LM head of the last hidden state
+    (check_head_gives_logits checks it). ZeRO-3's rule: every rank calls a partitioned module as many times, in the
+    same order (each call gathers its weights in a collective: one more call hangs), so the LM head runs in as
+    many chunks everywhere (chunked_logprobs). Its children keep the HF names. `packed`: a micro-batch in one row."""
 
     def __init__(self, causal_lm):
         super().__init__()
